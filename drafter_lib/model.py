@@ -202,7 +202,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, positions, mask, cache: "KVCache | None"):
+    def forward(self, x, cos, sin, positions, mask, cache: "KVCache | None", length: int = 0):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd)
@@ -213,9 +213,10 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
         if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, positions, mask.shape[-1])
-        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                           enable_gqa=self.nkv != self.nh)
+            k, v = cache.update(self.layer_idx, k, v, positions, length)
+        causal = isinstance(mask, str)  # "causal": keys == queries from position 0, the kernel skips masked blocks
+        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=None if causal else mask,
+                                           is_causal=causal, enable_gqa=self.nkv != self.nh)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
 
@@ -239,8 +240,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, mask, cache):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache)
+    def forward(self, x, cos, sin, positions, mask, cache, length=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, mask, cache, length)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -382,29 +383,39 @@ class Transformer(nn.Module):
         Without a cache the T tokens attend only to each other (by position). With a cache, the new k/v are
         written at `positions` and queries attend to every cached slot with key_pos <= query_pos.
         """
+        return self.lm_head(self.hidden(input_ids, positions, cache, last_only)).float()
+
+    def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+               last_only: bool = False) -> torch.Tensor:
+        """The final-norm hidden states [B,T,H] ([B,1,H] if last_only) that `forward` feeds to lm_head."""
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be equal [B,T]")
         m = self.model
+        B, T = input_ids.shape
         x = m.embed_tokens(input_ids)
         act_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) and self.upcast_act else x.dtype
         x = x.to(act_dtype)
         cos, sin = m.rotary_emb(positions)
+        cos, sin = cos.to(act_dtype), sin.to(act_dtype)
+        length = 0
         if cache is None:
-            key_pos = positions
+            mask = (positions.unsqueeze(1) <= positions.unsqueeze(2)).unsqueeze(1)  # [B,1,T,T]
         else:
             length = int(positions.max()) + 1
             if length > cache.capacity:
                 raise ValueError(f"position {length - 1} exceeds KV cache capacity {cache.capacity}")
-            key_pos = torch.arange(length).unsqueeze(0)
-        mask = (key_pos.unsqueeze(1) <= positions.unsqueeze(2)).unsqueeze(1)  # [B|1,1,T,L]
-        if cache is not None:
-            mask = mask.expand(input_ids.shape[0], 1, -1, -1)
+            if B == 1 and T == 1:  # one-token decode: every slot < length is a valid key, no mask needed
+                mask = None
+            elif B == 1 and length == T and int(positions[0, 0]) == 0 and int(positions[0, -1]) == T - 1:
+                mask = "causal"  # prefill from position 0: plain causal (the kernel skips masked blocks)
+            else:
+                key_pos = torch.arange(length).unsqueeze(0)
+                mask = (key_pos.unsqueeze(1) <= positions.unsqueeze(2)).unsqueeze(1).expand(B, 1, -1, -1)
         for layer in m.layers:
-            x = layer(x, cos.to(act_dtype), sin.to(act_dtype), positions, mask, cache)
+            x = layer(x, cos, sin, positions, mask, cache, length)
         if last_only:
             x = x[:, -1:]
-        x = m.norm(x)
-        return self.lm_head(x).float()
+        return m.norm(x)
 
     upcast_act = True  # fp16/bf16 weights still run activations in fp32 (see Linear)
 

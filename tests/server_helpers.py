@@ -1,0 +1,150 @@
+"""Shared by test_server.py / test_client.py: a tiny packed model dir and a real server subprocess."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_VOCAB = 512
+TINY_MAX_POS = 512
+
+
+def tiny_hf_model(seed: int = 0, vocab_size: int = TINY_VOCAB, std: float = 0.3):
+    """Tiny random Llama. With HF's default init (std 0.02) greedy output is one token repeated, which would hide
+    mixed-up rows or wrong positions; std 0.3 on the matrices gives varied, context-dependent continuations."""
+    import torch
+
+    from drafter_lib.hf_models import tiny_random_model
+
+    model, _tok = tiny_random_model("llama", vocab_size=vocab_size, seed=seed, tokenizer="bytes",
+                                    hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, intermediate_size=128,
+                                    max_position_embeddings=TINY_MAX_POS)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def write_tiny_model_dir(out_dir: Path, model, bits: int = 4, copy_enabled: bool = False) -> Path:
+    """Pack an HF model: int4 (or int8) group-wise linears, int8 per-row embeddings."""
+    from drafter_lib.model_dir import write_model_dir
+    from drafter_lib.quantization import QuantConfig, QuantSpec
+
+    qconfig = QuantConfig.default_for(group_size=32)
+    if bits == 8:
+        qconfig.default = QuantSpec(8, 32, "float16")
+    write_model_dir(out_dir, model.config.to_dict(), model.state_dict(), qconfig,
+                    copy_policy={"enabled": copy_enabled})
+    return Path(out_dir)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# Loaded via PYTHONPATH into the server process: any connection or name lookup that is not loopback raises and is
+# logged, so "makes no network calls" is checked, not assumed.
+NET_GUARD = textwrap.dedent('''
+    import os, socket
+
+    _LOG = os.environ.get("NET_GUARD_LOG")
+    _LOCAL = {"127.0.0.1", "::1", "localhost", "0.0.0.0", "::", ""}
+
+    def _local(host):
+        host = str(host)
+        return host in _LOCAL or host.startswith("127.")
+
+    def _deny(what):
+        if _LOG:
+            with open(_LOG, "a") as f:
+                f.write(what + "\\n")
+        raise OSError("network access blocked by test guard: " + what)
+
+    _connect, _connect_ex, _getaddrinfo = socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo
+
+    def connect(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
+            _deny("connect %r" % (address,))
+        return _connect(self, address)
+
+    def connect_ex(self, address):
+        if self.family in (socket.AF_INET, socket.AF_INET6) and not _local(address[0]):
+            _deny("connect_ex %r" % (address,))
+        return _connect_ex(self, address)
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host is not None and not _local(host.decode() if isinstance(host, bytes) else host):
+            _deny("getaddrinfo %r" % (host,))
+        return _getaddrinfo(host, *args, **kwargs)
+
+    socket.socket.connect, socket.socket.connect_ex, socket.getaddrinfo = connect, connect_ex, getaddrinfo
+''')
+
+
+def guarded_env(guard_dir: Path, log: Path, **extra) -> dict:
+    guard_dir.mkdir(parents=True, exist_ok=True)
+    (guard_dir / "sitecustomize.py").write_text(NET_GUARD)
+    env = dict(os.environ)
+    for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # serve.sh must set these itself
+        env.pop(k, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(guard_dir), str(ROOT)] + ([env["PYTHONPATH"]]
+                                                                       if env.get("PYTHONPATH") else []))
+    env["NET_GUARD_LOG"] = str(log)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class ServerProcess:
+    """`./serve.sh` (or `python server.py`) on a free loopback port; stopped on exit. Output goes to a log file."""
+
+    def __init__(self, model_dir: Path, log_path: Path, env: dict | None = None, via_serve_sh: bool = True,
+                 **settings):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        env = dict(env if env is not None else os.environ)
+        env.update(HOST="127.0.0.1", PORT=str(self.port), MODEL_DIR=str(model_dir), LOG_LEVEL="warning",
+                   PYTHON=sys.executable, **{k: str(v) for k, v in settings.items()})
+        cmd = ["bash", str(ROOT / "serve.sh")] if via_serve_sh else [sys.executable, str(ROOT / "server.py")]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def wait_ready(self, timeout: float = 120.0):
+        from drafter_lib.client import SpeculativeClient
+
+        with SpeculativeClient(self.url) as c:
+            try:
+                return c.wait_ready(timeout, proc=self.proc)
+            except Exception as e:
+                raise RuntimeError(f"{e}\n--- server log ---\n{self.log()}") from e
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+    def __enter__(self):
+        self.wait_ready()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,193 @@
+"""Drafter training: loss mask, learning, exact resume, QAT weights that pack exactly, 2-process DDP."""
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from drafter_lib import train
+from drafter_lib.train import IGNORE, TrainConfig
+
+QUANT = {"default": {"bits": 4, "group_size": 32, "scale_dtype": "float16"},
+         "overrides": [{"pattern": "model.embed_tokens.weight", "spec": {"bits": 8, "group_size": None, "scale_dtype": "float16"}},
+                       {"pattern": "lm_head.weight", "spec": {"bits": 8, "group_size": None, "scale_dtype": "float16"}}]}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tiny random Llama (saved as an HF dir with its tokenizer) and a tiny repetitive teacher-target file."""
+    from drafter_lib.hf_models import tiny_random_model
+
+    d = tmp_path_factory.mktemp("train")
+    model, tok = tiny_random_model("llama", tokenizer="bytes", hidden_size=32, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                   max_position_embeddings=128)
+    model.save_pretrained(d / "base")
+    tok.save_pretrained(d / "base")
+    g = torch.Generator().manual_seed(0)
+    with open(d / "targets.jsonl", "w") as f:
+        for i in range(48):
+            prompt = torch.randint(10, 200, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+            start = 40 + i % 4  # the continuation repeats a 5-token cycle: easy to learn
+            cont = [start + (j % 5) for j in range(int(torch.randint(6, 20, (1,), generator=g)))] + [258]
+            f.write(json.dumps({"id": f"r{i}", "category": "c", "source": "t",
+                                "prompt_ids": prompt, "continuation_ids": cont}) + "\n")
+    return d
+
+
+def cfg_for(workdir, out, **kw):
+    base = dict(train_path=str(workdir / "targets.jsonl"), out_dir=str(out), base_model=str(workdir / "base"),
+                keep_layers="even:2", val_fraction=0.2, max_seq_len=48, batch_size=4, steps=6, qat_steps=5,
+                lr=3e-3, qat_lr=1e-3, warmup_steps=2, qat_warmup_steps=1, eval_every=3, ckpt_every=3, log_every=1,
+                quant=QUANT, progress=False, seed=1)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_targets_cover_only_continuation():
+    ex = [train.Example("a", [1, 2, 3, 4, 5, 6], 4), train.Example("b", [7, 8, 9], 1)]
+    b = train.collate(ex, pad_id=0)
+    assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0]]
+    assert b["attention_mask"].tolist() == [[1] * 6, [1, 1, 1, 0, 0, 0]]
+    # position t predicts token t+1; only continuation tokens (index >= prompt_len) are targets
+    assert b["targets"].tolist() == [[IGNORE, IGNORE, IGNORE, 5, 6, IGNORE], [8, 9, IGNORE, IGNORE, IGNORE, IGNORE]]
+    assert (b["targets"] != IGNORE).sum() == (6 - 4) + (3 - 1)
+
+
+def test_batches_deterministic_and_cover_epoch():
+    lengths = [5, 9, 3, 7, 7, 2, 11, 4, 6, 8]
+    a = train.epoch_batches(lengths, 3, 2, seed=0, epoch=0)
+    assert a == train.epoch_batches(lengths, 3, 2, seed=0, epoch=0)
+    assert a != train.epoch_batches(lengths, 3, 2, seed=0, epoch=1)
+    assert sorted(i for b in a for i in b) == list(range(10))
+
+
+def test_lr_schedule():
+    f = lambda s: train.lr_lambda(s, 10, 2, "cosine", 0.1)
+    assert f(0) == 0.5 and f(1) == 1.0 and abs(f(10) - 0.1) < 1e-9 and f(5) > f(7)
+    assert abs(train.lr_lambda(6, 10, 2, "linear", 0.0) - 0.5) < 1e-9
+
+
+def test_loss_decreases_and_outputs(workdir, tmp_path):
+    cfg = cfg_for(workdir, tmp_path / "run", steps=30, qat_steps=8, eval_every=10, ckpt_every=100, lr=1e-2)
+    res = train.run_training(cfg)
+    assert res["done"] and res["step"] == 38
+    h = res["history"]
+    tr = [r["loss"] for r in h if r["kind"] == "train"]
+    va = [r for r in h if r["kind"] == "val"]
+    assert va[0]["step"] == 0 and va[-1]["phase"] == "qat"
+    assert sum(tr[-5:]) / 5 < 0.5 * sum(tr[:5]) / 5, tr
+    assert min(r["loss"] for r in va) < 0.6 * va[0]["loss"]
+    out = Path(res["out_dir"])
+    for f in ("history.json", "history.csv", "losses.png", "best/config.json", "best/model.safetensors",
+              "best/tokenizer_config.json", "best/qat_quant_config.json", "best_distill/model.safetensors"):
+        assert (out / f).exists(), f
+    info = json.loads((out / "best" / "train_info.json").read_text())
+    assert info["phase"] == "qat" and info["val_loss"] == res["best"]["qat"]
+    assert json.loads((out / "best" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def _final_weights(out):
+    return load_file(str(Path(out) / "best" / "model.safetensors")), \
+        torch.load(train.latest_checkpoint(out) / "model.pt")
+
+
+def test_resume_gives_identical_weights(workdir, tmp_path):
+    full = train.run_training(cfg_for(workdir, tmp_path / "full"))
+    assert full["step"] == 11
+    # interrupted twice: in the distill phase (resumes from step 3) and in the QAT phase (resumes from step 9)
+    part = tmp_path / "part"
+    assert train.run_training(cfg_for(workdir, part, stop_at_step=5))["step"] == 5
+    assert train.latest_checkpoint(part).name == "step_0000003"
+    assert train.run_training(cfg_for(workdir, part, stop_at_step=10))["step"] == 10
+    assert train.latest_checkpoint(part).name == "step_0000009"
+    res = train.run_training(cfg_for(workdir, part))
+    assert res["done"] and res["best"] == full["best"]
+    (a_best, a_last), (b_best, b_last) = _final_weights(tmp_path / "full"), _final_weights(part)
+    assert a_best.keys() == b_best.keys() and a_last.keys() == b_last.keys()
+    for k in a_last:
+        assert torch.equal(a_last[k], b_last[k]), k
+    for k in a_best:
+        assert torch.equal(a_best[k], b_best[k]), k
+    strip = lambda hist: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in hist]
+    assert strip(res["history"]) == strip(full["history"])
+
+
+def test_qat_weights_pack_exactly(workdir, tmp_path):
+    """The trained QAT model's forward == a plain model holding restore_weight(pack(w)) of the saved weights."""
+    from transformers import AutoModelForCausalLM
+
+    from drafter_lib.quantization import QuantConfig, apply_fake_quant, fake_quant, pack, restore_weight
+
+    res = train.run_training(cfg_for(workdir, tmp_path / "q", steps=2, qat_steps=4, eval_every=100))
+    best = Path(res["out_dir"]) / "best"
+    qcfg = QuantConfig.from_dict(json.loads((best / "qat_quant_config.json").read_text()))
+    qat_model = AutoModelForCausalLM.from_pretrained(best, dtype=torch.float32).eval()
+    applied = apply_fake_quant(qat_model, qcfg)
+    assert "model.layers.0.self_attn.q_proj.weight" in applied and "lm_head.weight" in applied
+
+    packed_model = AutoModelForCausalLM.from_pretrained(best, dtype=torch.float32).eval()
+    sd = packed_model.state_dict()
+    restored = {}
+    for name, spec in applied.items():
+        w = sd[name]
+        p = pack(w, spec)
+        restored[name] = restore_weight(p["packed"], p["scale"], spec, w.shape)
+        assert torch.equal(restored[name], fake_quant(w, spec)), name
+        assert not torch.equal(restored[name], w), name  # latent fp weights are off the grid: the check can fail
+    params = dict(packed_model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for name, r in restored.items():
+            params[name].copy_(r)
+    x = torch.randint(0, 259, (2, 17))
+    with torch.no_grad():
+        assert torch.equal(qat_model(x).logits, packed_model(x).logits)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_process_cpu_run_matches_single_process(workdir, tmp_path):
+    """2 CPU processes (torchrun, gloo DDP through accelerate) == 1 process with grad_accum=2 (same global batches)."""
+    cfg = cfg_for(workdir, tmp_path / "ddp", steps=3, qat_steps=2, ckpt_every=100, eval_every=100, num_threads=1)
+    (tmp_path / "cfg.json").write_text(json.dumps(train.asdict(cfg)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(train.__file__).parents[1])}
+    # torchrun (gloo) rather than `accelerate launch --cpu`, which only runs several CPU processes through mpirun
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           "-m", "drafter_lib.train", "--config", str(tmp_path / "cfg.json")]
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    state = json.loads((train.latest_checkpoint(tmp_path / "ddp") / "state.json").read_text())
+    assert state["num_processes"] == 2 and state["step"] == 5 and state["data_pos"] == 10
+
+    single = train.run_training(cfg_for(workdir, tmp_path / "one", steps=3, qat_steps=2, ckpt_every=100,
+                                        eval_every=100, grad_accum=2))
+    a = torch.load(train.latest_checkpoint(tmp_path / "ddp") / "model.pt")
+    b = torch.load(train.latest_checkpoint(tmp_path / "one") / "model.pt")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
+    assert single["best"].keys() == state["best"].keys()
+
+
+def test_kl_term_and_fp_only_run(workdir, tmp_path):
+    """kl_weight > 0 against a teacher (the unpruned base) trains; qat_steps=0 ships the fp best as best/."""
+    res = train.run_training(cfg_for(workdir, tmp_path / "kl", steps=3, qat_steps=0, kl_weight=0.5,
+                                     teacher_model=str(workdir / "base"), eval_every=100))
+    assert res["done"] and res["step"] == 3
+    tr = [r["loss"] for r in res["history"] if r["kind"] == "train"]
+    assert all(0 < x < 20 for x in tr)
+    assert (Path(res["out_dir"]) / "best" / "model.safetensors").exists()
+    assert json.loads((Path(res["out_dir"]) / "best" / "train_info.json").read_text())["phase"] == "distill"
+    with pytest.raises(ValueError, match="teacher_model"):
+        train.run_training(cfg_for(workdir, tmp_path / "bad", kl_weight=0.5))
+    with pytest.raises(ValueError, match="unknown TrainConfig keys"):
+        TrainConfig.from_dict({"train_path": "x", "stepz": 3})

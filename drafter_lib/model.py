@@ -168,7 +168,9 @@ class Linear(nn.Linear):
         if w.dtype == x.dtype:
             return F.linear(x, w, self.bias)
         b = None if self.bias is None else self.bias.to(x.dtype)
-        if x.numel() // x.shape[-1] <= self.small_m:
+        # Decide by tokens per sequence, not total rows: fp16 matmul gives each row the same bits whatever the
+        # batch (measured), so a batched decode step equals the same rows decoded one by one.
+        if (x.shape[-2] if x.dim() > 2 else x.shape[0]) <= self.small_m:
             return F.linear(x.to(w.dtype), w).to(x.dtype) + (0 if b is None else b)
         return F.linear(x, w.to(x.dtype), b)
 

@@ -81,6 +81,16 @@ def test_draft_batch_equals_sequential(hf):
     for dtype in ("float32", "float16"):
         seq = [make_engine(hf, dtype=dtype).draft(r, 10) for r in reqs]
         assert make_engine(hf, dtype=dtype).draft_batch(reqs, 10) == seq
+    # more rows than Linear.small_m: fp16 decode must still give each row the bits it gets alone
+    # (weights with std 0.3 so that logits are far from uniform and rounding differences do flip tokens)
+    sharp = tiny_hf("llama", vocab_size=V, num_hidden_layers=2, tie_word_embeddings=True)
+    with torch.no_grad():
+        for p in sharp.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(p.numel()))
+    many = [rand_tokens(5 + 3 * i, 40 + i) for i in range(9)]
+    seq16 = [make_engine(sharp, dtype="float16").draft(r, 10) for r in many]
+    assert make_engine(sharp, dtype="float16").draft_batch(many, 10) == seq16
     # and the batched path leaves correct caches behind
     eng = make_engine(hf)
     eng.draft_batch(reqs, 10)

@@ -1,0 +1,109 @@
+"""Study plots, saved as PNG (Agg backend: no display needed). Inputs are the dicts `evaluate` writes to JSON."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(fig, path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def acceptance_histogram(results: Mapping[str, dict], path, title: str = "Accepted draft tokens per target step"):
+    """Share of target steps that accepted exactly a drafted tokens (a = 0..k), one bar group per drafter."""
+    names = list(results)
+    if not names:
+        raise ValueError("no results to plot")
+    k = len(results[names[0]]["accepted_length_hist"]) - 1
+    width = 0.8 / len(names)
+    fig, ax = plt.subplots(figsize=(max(6, k * 0.5), 4))
+    for n, name in enumerate(names):
+        hist = results[name]["accepted_length_hist"]
+        total = sum(hist) or 1
+        ax.bar([a + (n - (len(names) - 1) / 2) * width for a in range(len(hist))], [h / total for h in hist],
+               width=width, label=f"{name} (MAL {results[name]['mean_acceptance_length']:.2f})")
+    ax.set_xlabel("accepted draft tokens in a step")
+    ax.set_ylabel("fraction of target steps")
+    ax.set_xticks(range(k + 1))
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def position_acceptance(results: Mapping[str, dict], path, title: str = "Acceptance rate per draft position"):
+    """P(draft position j accepted), one line per drafter."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in results.items():
+        rates = [float("nan") if x is None else x for x in r["per_position_acceptance"]]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", ms=3, label=name)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def per_category(results: Mapping[str, dict], path, title: str = "Mean acceptance length per category"):
+    """Grouped bars: mean acceptance length per prompt category, one bar per drafter."""
+    names = list(results)
+    cats = list(dict.fromkeys(c for r in results.values() for c in r.get("per_category", {})))
+    if not cats:
+        raise ValueError("results have no per_category entries")
+    width = 0.8 / max(len(names), 1)
+    fig, ax = plt.subplots(figsize=(max(6, len(cats) * 0.9 + 2), 4))
+    for n, name in enumerate(names):
+        pc = results[name].get("per_category", {})
+        vals = [pc[c]["mean_acceptance_length"] if c in pc else 0.0 for c in cats]
+        ax.bar([i + (n - (len(names) - 1) / 2) * width for i in range(len(cats))], vals, width=width, label=name)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(cats)))
+    ax.set_xticklabels(cats, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens per target step")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def length_histogram(lengths: Mapping[str, Sequence[int]] | Sequence[int], path, xlabel: str = "tokens",
+                     title: str = "Length distribution", bins: int = 40):
+    """Histogram of lengths (e.g. prompt tokens); a mapping plots one translucent histogram per group."""
+    groups = dict(lengths) if isinstance(lengths, Mapping) else {"all": list(lengths)}
+    if not any(len(v) for v in groups.values()):
+        raise ValueError("no lengths to plot")
+    import numpy as np
+
+    edges = np.histogram_bin_edges([v for vals in groups.values() for v in vals], bins=bins)  # shared bins
+    many = len(groups) > 2  # outlines stay readable where filled bars would hide each other
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, vals in groups.items():
+        if len(vals):
+            ax.hist(list(vals), bins=edges, alpha=0.9 if many else 0.55, histtype="step" if many else "bar",
+                    lw=1.5, label=f"{name} (n={len(vals)})")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("count")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def bar_counts(counts: Mapping[str, int], path, title: str = "Prompts", xlabel: str = ""):
+    """Horizontal bars for counts per source/category (largest first)."""
+    items = sorted(counts.items(), key=lambda kv: -kv[1])[:40]
+    fig, ax = plt.subplots(figsize=(7, max(2.5, 0.25 * len(items) + 1)))
+    ax.barh([k for k, _ in items][::-1], [v for _, v in items][::-1])
+    ax.set_title(title)
+    ax.set_xlabel(xlabel or "count")
+    ax.tick_params(axis="y", labelsize=7)
+    return _save(fig, path)

@@ -51,8 +51,8 @@ PRESETS: dict[str, dict] = {
         "group_by": "category",
     },
     "default": {
-        # Sized from CPU-seconds measured at 1 thread (teacher ~120 tok/s at batch 32; a train step of 8 x 150
-        # tokens ~5.7 s; drafting 16 rows x 8 tokens ~0.7 s): ~40 CPU-minutes in all, less with 2 idle cores.
+        # Sized from a first run at 1 thread on shared cores (teacher ~76 tok/s, a train step of 8 x ~150 tokens
+        # ~3.5 s, all five stages 34 min at 800 prompts / 280 steps / k=8): about an hour on 2 idle cores.
         "teacher": "smollm2-135m-instruct",
         "drafter_base": None,
         "keep_layers": "even:8",
@@ -61,7 +61,7 @@ PRESETS: dict[str, dict] = {
         "seed": 0,
         "shared_data": "auto",  # ../shared/data next to the repo when it exists
         "synthetic_n": 1500,
-        "total_prompts": 800,
+        "total_prompts": 1200,
         "source_weights": None,
         "heldout_frac": 0.06,
         "min_prompt_tokens": 4,
@@ -70,14 +70,14 @@ PRESETS: dict[str, dict] = {
         "teacher_max_new_tokens": 64,
         "teacher_batch_size": 32,
         "teacher_backend": "auto",
-        "train": {"steps": 240, "qat_steps": 40, "batch_size": 8, "max_seq_len": 320, "lr": 5e-4, "qat_lr": 5e-5,
+        "train": {"steps": 360, "qat_steps": 50, "batch_size": 8, "max_seq_len": 320, "lr": 5e-4, "qat_lr": 5e-5,
                   "warmup_steps": 20, "qat_warmup_steps": 4, "eval_every": 60, "ckpt_every": 40, "log_every": 10,
                   "qat_group_size": 64, "val_fraction": 0.04, "max_eval_batches": 4},
         "copy_policy": _COPY_POLICY,
         "publish": False,
         "eval_limit": 30,
         "eval_max_new_tokens": 80,
-        "k": 8,
+        "k": 16,
         "e2e_prompts": 4,
         "e2e_k": 4,
         "group_by": "source",

@@ -196,6 +196,9 @@ def main(argv=None):
     ap.add_argument("--force", action="store_true", help="rerun stages even if their outputs exist")
     ap.add_argument("--quiet", action="store_true", help="do not stream notebook output")
     args = ap.parse_args(argv)
+    # Notebook kernels inherit this: idle OpenMP threads sleep instead of spinning, which on a shared 2-core
+    # machine made torch 10-300x slower. It must be set before torch is imported, hence here.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     overrides = {}
     for kv in args.set:
         key, sep, val = kv.partition("=")

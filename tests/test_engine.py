@@ -50,6 +50,7 @@ def test_warm_cache_equals_cold_and_reuses_prefix(hf):
     warm = eng.draft(nxt, 8)
     assert eng.stats["computed_tokens"] - computed == 1 + 7  # bonus token + 7 draft steps
     assert eng.stats["reused_tokens"] == 53
+    assert eng.cache_info()["entries"] == 1  # the loop's entry was taken over in place, not copied and kept
     cold = make_engine(hf).draft(nxt, 8)
     assert warm == cold == hf_greedy(hf, nxt, 8)
 
@@ -63,6 +64,7 @@ def test_shared_prefix_branch_copies_and_keeps_entry(hf):
     db = eng.draft(b, 4)
     assert eng.stats["computed_tokens"] - before == 6 + 3  # only b's own tail is computed
     assert db == make_engine(hf).draft(b, 4)
+    assert eng.cache_info()["entries"] == 2  # a branch copies the shared part and keeps the original entry
     before = eng.stats["computed_tokens"]
     assert eng.draft(a, 4) == da  # a's entry survived the branch: only the last token recomputed
     assert eng.stats["computed_tokens"] - before == 1 + 3
@@ -168,3 +170,15 @@ def test_int8_mode_close_and_small(hf):
         total += 8
         assert e8.draft_batch([p, p[:5]], 8)[0] == a  # batched int8 decode = single
     assert agree >= total // 2
+
+
+def test_int8_head_argmax_is_exact():
+    """The int8 pre-pass only prunes candidates: the argmax equals that of the full fp32 logits."""
+    from drafter_lib.engine import Int8Head, _int8_rows
+    g = torch.Generator().manual_seed(0)
+    q, scale = _int8_rows(torch.randn(4096, 96, generator=g) * 0.05)
+    head = Int8Head(q, scale)
+    w = q.float() * scale
+    x = torch.randn(300, 96, generator=g)
+    x[:100] *= 0.01  # flat logits: many near-ties the candidate set must keep
+    assert torch.equal(head.argmax(x), (x @ w.t()).argmax(-1))

@@ -105,7 +105,9 @@ NOTEBOOKS = {
         "run / 'plots' / 'continuation_lengths.png',\n"
         "                           xlabel='teacher tokens', title='Teacher continuation length')\n"
         "display(Image(str(p)))\n"
-        "print(repr(tok.decode(rows[0]['prompt_ids'] + rows[0]['continuation_ids']))[:600])",
+        "# an example from the embedded synthetic prompts: external corpora's text stays out of committed notebooks\n"
+        "ex = next((r for r in rows if str(r.get('source', '')).startswith('synthetic')), rows[0])\n"
+        "print(repr(tok.decode(ex['prompt_ids'] + ex['continuation_ids']))[:600])",
     ],
     "03_train_qat": [
         new_markdown_cell("# 03 - Distill, then QAT\nThe drafter starts as a layer-pruned copy of its base, is "

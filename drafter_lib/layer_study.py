@@ -424,15 +424,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--out", default=None, help="output dir (default: RUN/layer_study)")
     ap.add_argument("--plot", default=None, help="PNG path (default: OUT/layer_study.png)")
     args = ap.parse_args(argv)
-    overrides = {}
-    for kv in args.set:
-        key, sep, val = kv.partition("=")
-        if not sep:
-            ap.error(f"--set expects KEY=VALUE, got {kv!r}")
-        try:
-            overrides[key] = json.loads(val)
-        except json.JSONDecodeError:
-            overrides[key] = val
+    from .study import parse_overrides
+    overrides = parse_overrides(args.set, ap)
     out = Path(args.out) if args.out else Path(args.run) / "layer_study"
     rows = run_layer_study(args.run, args.variants, args.steps, out, teacher=args.teacher,
                            data_fractions=args.fractions, eval_limit=args.eval_limit, k=args.k,

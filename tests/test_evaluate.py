@@ -158,7 +158,7 @@ def test_references_match_plain_greedy(tiny_target):
     prompts = ev.encode_records(tok, [{"messages": [{"role": "user", "content": c}]} for c in ["hi", "a longer one"]])
     refs = ev.greedy_references(model, tok, prompts, 12, batch_size=2, backend="hf")
     for p, r in zip(prompts, refs):
-        assert r == ev.speculative_generate(model, p, 12, eos_ids=ev.stop_ids_of(tok)).tokens
+        assert r == ev.speculative_generate(model, p, 12, eos_ids=ev.stop_token_ids(tok)).tokens
 
 
 def test_cli_on_tiny_target_and_packed_drafter(tmp_path, tiny_target, capsys):

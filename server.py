@@ -43,7 +43,7 @@ class Settings:
     engine_dtype: str | None = None  # DraftEngine weight dtype ("float16", "float32", ...); None = its default
 
     @classmethod
-    def from_env(cls) -> "Settings":
+    def from_env(cls) -> Settings:
         env = os.environ
         d = cls()
         return cls(

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 # run_batch(list_of_token_lists, k) -> list of drafts; called only from the single worker thread.
 RunBatch = Callable[[Sequence[Sequence[int]], int], list]

@@ -8,8 +8,8 @@ the target's own next token (the "bonus" token). The output therefore equals the
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import httpx
 

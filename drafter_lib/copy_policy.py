@@ -17,9 +17,9 @@ With `enabled: false` the engine drafts from the model alone.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 MODES = ("prefix", "accelerate")
 
@@ -41,14 +41,14 @@ class CopyPolicy:
             raise ValueError(f"copy policy mode {self.mode!r} unknown; expected one of {MODES}")
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "CopyPolicy":
+    def from_dict(cls, d: dict | None) -> CopyPolicy:
         if not d:
             return cls(enabled=False)
         known = {k: d[k] for k in ("enabled", "max_ngram", "min_ngram", "max_copy", "mode") if k in d}
         return cls(**known)
 
     @classmethod
-    def load(cls, path: str | Path) -> "CopyPolicy":
+    def load(cls, path: str | Path) -> CopyPolicy:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     def to_dict(self) -> dict:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -85,7 +85,7 @@ class DraftEngine:
 
     @classmethod
     def from_state_dict(cls, hf_config: dict, state_dict: dict, copy_policy=None, dtype: str = "float32",
-                        max_cache_tokens: int = 65536) -> "DraftEngine":
+                        max_cache_tokens: int = 65536) -> DraftEngine:
         model = Transformer.from_hf(hf_config, {k: v.float() for k, v in state_dict.items()})
         meta = dict(hf_config=hf_config, quantization=None, manifest=None, manifest_sha256=None, path=None)
         return cls(None, max_cache_tokens=max_cache_tokens, dtype=dtype, copy_policy=copy_policy,
@@ -145,7 +145,7 @@ class DraftEngine:
                              f"maximum context {self.max_context}")
         return toks
 
-    def _start(self, tokens: list[int], k: int) -> "_Row":
+    def _start(self, tokens: list[int], k: int) -> _Row:
         """Prefix-cache lookup, prefill of the uncached tail, first draft token(s)."""
         self.stats["requests"] += 1
         cache, start = self._acquire(tokens, len(tokens) + k)
@@ -164,7 +164,7 @@ class DraftEngine:
         row.draft.append(nxt)
         return row
 
-    def _forward(self, row: "_Row", new: list[int], all_tokens: bool = False) -> list[int]:
+    def _forward(self, row: _Row, new: list[int], all_tokens: bool = False) -> list[int]:
         """Feed `new` tokens after row.valid; returns the greedy next token after each fed token (only after the
         last one unless all_tokens)."""
         n0 = row.valid
@@ -177,7 +177,7 @@ class DraftEngine:
         self.stats["computed_tokens"] += len(new)
         return self._argmax(h[0]).tolist()  # callers needing all tokens feed <= _CHUNK tokens
 
-    def _decode_single(self, row: "_Row", k: int):
+    def _decode_single(self, row: _Row, k: int):
         pol = self.copy_policy
         accel = pol.enabled and pol.mode == "accelerate"
         while len(row.draft) < k:
@@ -190,7 +190,7 @@ class DraftEngine:
             row.valid -= len(guess) - n  # rejected guesses: their slots are stale, overwritten later
             row.draft += guess[:n] + [targets[n]]
 
-    def _decode_batched(self, rows: list["_Row"], k: int):
+    def _decode_batched(self, rows: list[_Row], k: int):
         B = len(rows)
         cap = max(r.valid for r in rows) + k + 1
         batch = self.model.new_cache(B, cap)
@@ -251,7 +251,7 @@ class DraftEngine:
             cache.v[li][:, :, :usable] = e.cache.v[li][:, :, :usable]
         return cache, usable
 
-    def _store(self, row: "_Row"):
+    def _store(self, row: _Row):
         seq = row.tokens + row.draft
         key = torch.tensor(seq[:row.valid], dtype=torch.long)
         if row.cache.capacity > self.max_cache_tokens or key.numel() == 0:

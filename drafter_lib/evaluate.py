@@ -23,15 +23,15 @@ import inspect
 import json
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 from tqdm.auto import tqdm
 
 from .teacher import encode_chat, make_backend, prompt_messages, stop_token_ids
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Drafters
@@ -110,7 +110,7 @@ class AcceptanceStats:
             self.pos_trials[j] += 1
             self.pos_hits[j] += int(accepted > j)
 
-    def merge(self, other: "AcceptanceStats") -> None:
+    def merge(self, other: AcceptanceStats) -> None:
         if other.k != self.k:
             raise ValueError(f"cannot merge stats for k={other.k} into k={self.k}")
         self.steps += other.steps

@@ -6,7 +6,7 @@ id leave the batch. Results equal HF greedy `generate` run prompt by prompt.
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm

@@ -31,8 +31,8 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -127,7 +127,8 @@ def load_references(run_dir: Path, out_dir: Path, teacher_spec: str, params: dic
     """(prompt ids, target greedy references, groups) for the run's held-out prompts, via evaluate's own
     cached_references. The run's eval/references.jsonl seeds out_dir/references.jsonl (never rewritten: 05_eval
     owns it); the teacher is loaded only if some reference is still missing."""
-    from . import evaluate as ev, hf_models, study
+    from . import evaluate as ev
+    from . import hf_models, study
 
     heldout = run_dir / "data" / "heldout.jsonl"
     if not heldout.is_file():
@@ -219,7 +220,8 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
     eval_max_new_tokens). keep_weights=False deletes each finished run's checkpoints and weights (keeping its
     history and loss plot): a pruned 135M drafter + optimizer state is ~1 GB per run.
     """
-    from . import evaluate as ev, hf_models, study
+    from . import evaluate as ev
+    from . import hf_models, study
     from . import train as T
 
     run_dir = Path(run_dir)

@@ -46,7 +46,7 @@ class ModelConfig:
     extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_hf(cls, d: dict) -> "ModelConfig":
+    def from_hf(cls, d: dict) -> ModelConfig:
         """Build from a HF `config.json` dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
         mt = d.get("model_type")
         if mt not in SUPPORTED_ARCHS:
@@ -204,7 +204,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, positions, mask, cache: "KVCache | None", length: int = 0):
+    def forward(self, x, cos, sin, positions, mask, cache: KVCache | None, length: int = 0):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.nh, self.hd)
         k = self.k_proj(x).view(B, T, self.nkv, self.hd)
@@ -273,7 +273,7 @@ class KVCache:
         self.lengths = [0] * batch
 
     @classmethod
-    def for_model(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=torch.float32) -> "KVCache":
+    def for_model(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=torch.float32) -> KVCache:
         return cls(cfg.num_hidden_layers, batch, cfg.num_key_value_heads, capacity, cfg.head_dim, dtype)
 
     @property
@@ -325,7 +325,7 @@ class KVCache:
             self.v[i][row, :, :n] = v
         self.lengths[row] = n
 
-    def row_view(self, row: int) -> "KVCache":
+    def row_view(self, row: int) -> KVCache:
         """A 1-row cache sharing storage with `row` of this one (prefill a row in place)."""
         view = KVCache.__new__(KVCache)
         view.num_layers, view.num_kv_heads, view.head_dim, view.dtype = (
@@ -358,7 +358,7 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @classmethod
-    def from_hf(cls, hf_config: dict, state_dict: dict | None = None) -> "Transformer":
+    def from_hf(cls, hf_config: dict, state_dict: dict | None = None) -> Transformer:
         m = cls(ModelConfig.from_hf(hf_config))
         if state_dict is not None:
             m.load_hf_state_dict(state_dict)

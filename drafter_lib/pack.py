@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 from torch import nn

@@ -1,8 +1,8 @@
 """Study plots, saved as PNG (Agg backend: no display needed). Inputs are the dicts `evaluate` writes to JSON."""
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import matplotlib
 

@@ -70,7 +70,7 @@ class QuantSpec:
         return {"bits": self.bits, "group_size": self.group_size, "scale_dtype": self.scale_dtype}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "QuantSpec":
+    def from_dict(cls, d: dict) -> QuantSpec:
         unknown = set(d) - {"bits", "group_size", "scale_dtype"}
         if unknown:
             raise ValueError(f"unknown QuantSpec fields {sorted(unknown)}")
@@ -204,7 +204,7 @@ class QuantConfig:
 
     @classmethod
     def default_for(cls, group_size: int = 64, scale_dtype: str = "float16", embed_bits: int | None = 8,
-                    embed_group_size: int | None = None) -> "QuantConfig":
+                    embed_group_size: int | None = None) -> QuantConfig:
         """int4 group-wise linears; embeddings/lm_head int8 per row (embed_bits=None keeps them float)."""
         embed = None if embed_bits is None else QuantSpec(embed_bits, embed_group_size, scale_dtype)
         return cls(QuantSpec(4, group_size, scale_dtype),
@@ -231,7 +231,7 @@ class QuantConfig:
                 "overrides": [{"pattern": p, "spec": None if s is None else s.to_dict()} for p, s in self.overrides]}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "QuantConfig":
+    def from_dict(cls, d: dict) -> QuantConfig:
         if not isinstance(d, dict) or "default" not in d:
             raise ValueError(f"QuantConfig.from_dict needs a dict with 'default', got {d!r}")
         default = None if d["default"] is None else QuantSpec.from_dict(d["default"])

@@ -63,9 +63,9 @@ def resolve_model(spec: str | None, run_dir: str | Path, fallback: str | None = 
     arch = spec.partition(":")[2] or "llama"
     out = Path(run_dir) / f"tiny_{arch}"
     if not (out / "config.json").is_file():
-        from .hf_models import tiny_random_model
-
         import torch
+
+        from .hf_models import tiny_random_model
 
         model, tok = tiny_random_model(arch, tokenizer="bytes", seed=0, hidden_size=64, num_hidden_layers=4,
                                        intermediate_size=128)

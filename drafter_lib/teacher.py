@@ -18,8 +18,8 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
 import torch
 from tqdm.auto import tqdm

@@ -24,9 +24,9 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -90,7 +90,7 @@ class TrainConfig:
         return self.steps + self.qat_steps
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> TrainConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from server_helpers import TINY_VOCAB, ServerProcess, tiny_hf_model, write_tiny_model_dir
 
 from drafter_lib.client import DraftServerError, SpeculativeClient, greedy_verify, speculative_generate
-from server_helpers import TINY_VOCAB, ServerProcess, tiny_hf_model, write_tiny_model_dir
 
 EOS = 258  # the byte tokenizer's <|im_end|>
 

@@ -1,11 +1,10 @@
 """DraftEngine: greedy equality with transformers, prefix cache reuse, batching, copy prior, errors."""
 import pytest
 import torch
+from test_model import tiny_hf
 
 from drafter_lib.engine import DraftEngine
 from drafter_lib.generate import greedy_generate
-
-from test_model import tiny_hf
 
 V = 61
 

@@ -1,11 +1,10 @@
 """greedy_generate / verify_greedy vs transformers greedy generate on a tiny random model."""
 import pytest
 import torch
+from test_model import tiny_hf
 
 from drafter_lib.generate import greedy_generate, verify_greedy
 from drafter_lib.model import Transformer
-
-from test_model import tiny_hf
 
 
 def hf_greedy(hf, prompt, n, stop=None):

@@ -5,7 +5,10 @@ import json
 import pytest
 import torch
 
-from drafter_lib import evaluate as ev, hf_models, layer_study as LS, study, train as T
+from drafter_lib import evaluate as ev
+from drafter_lib import hf_models, study
+from drafter_lib import layer_study as LS
+from drafter_lib import train as T
 from drafter_lib.teacher import encode_chat
 
 TOPICS = ["apples", "rivers", "sorting lists", "prime numbers", "the moon", "tea", "bridges", "chess", "rain",

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from drafter_lib.model import KVCache, ModelConfig, Transformer
+from drafter_lib.model import ModelConfig, Transformer
 
 transformers = pytest.importorskip("transformers")
 

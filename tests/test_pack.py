@@ -3,7 +3,11 @@ import torch
 
 from drafter_lib.model_dir import read_model_dir
 from drafter_lib.pack import (
-    logit_agreement, pack_checkpoint, plot_logit_agreement, plot_weight_error, weight_error_table,
+    logit_agreement,
+    pack_checkpoint,
+    plot_logit_agreement,
+    plot_weight_error,
+    weight_error_table,
 )
 from drafter_lib.quantization import QuantConfig, apply_fake_quant, remove_fake_quant
 

@@ -2,7 +2,14 @@ import pytest
 import torch
 
 from drafter_lib.quantization import (
-    QuantConfig, QuantSpec, apply_fake_quant, fake_quant, pack, remove_fake_quant, restore_weight, unpack_int4,
+    QuantConfig,
+    QuantSpec,
+    apply_fake_quant,
+    fake_quant,
+    pack,
+    remove_fake_quant,
+    restore_weight,
+    unpack_int4,
     unparametrized_state_dict,
 )
 

@@ -10,9 +10,7 @@ import sys
 
 import httpx
 import pytest
-
-from server_helpers import TINY_MAX_POS, TINY_VOCAB, ServerProcess, guarded_env, tiny_hf_model, \
-    write_tiny_model_dir
+from server_helpers import TINY_MAX_POS, TINY_VOCAB, ServerProcess, guarded_env, tiny_hf_model, write_tiny_model_dir
 
 MAX_BODY = 64 * 1024  # small limit so the 413 path is cheap to hit; a full-context request is ~3 KB
 # The engine's default weight dtype is what ships; set this to check another one (server and reference alike).

@@ -1,0 +1,171 @@
+"""Where a study run keeps its files: one small dataclass names every path under runs/<name>/.
+
+Every stage, notebook and CLI takes its paths from `RunLayout`, so a file moves in one place. A relative run
+directory resolves against the repository root whatever the working directory (a notebook opened in JupyterLab
+runs in notebooks/, the CLI wherever it was started), so both see the same run. Paths written into reports and
+`architecture.json` go through `rel()`, so no machine-specific absolute path lands in an artifact.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RUNS_DIR = REPO_ROOT / "runs"
+SHARED_DATA_DEFAULT = REPO_ROOT.parent / "shared" / "data"
+
+
+def resolve_run_dir(run_dir: str | os.PathLike) -> Path:
+    """Absolute run directory: relative paths are taken from the repository root, not the working directory."""
+    p = Path(run_dir).expanduser()
+    return (p if p.is_absolute() else REPO_ROOT / p).resolve()
+
+
+def repo_relative(path: str | os.PathLike) -> str:
+    """`path` relative to the repository root when it lies inside it (else relative to the repo's parent, e.g.
+    ../shared/data; else the bare file name), with forward slashes: safe to write into committed artifacts."""
+    p = Path(path).resolve()
+    for base, prefix in ((REPO_ROOT, ""), (REPO_ROOT.parent, "../")):
+        try:
+            return prefix + p.relative_to(base).as_posix()
+        except ValueError:
+            continue
+    return p.name
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """All paths of one run. `RunLayout.of("runs/default")` works from any working directory."""
+
+    root: Path
+
+    @classmethod
+    def of(cls, run_dir: str | os.PathLike) -> RunLayout:
+        return cls(resolve_run_dir(run_dir))
+
+    @classmethod
+    def named(cls, name: str, runs_dir: str | os.PathLike | None = None) -> RunLayout:
+        return cls(resolve_run_dir(Path(runs_dir) if runs_dir else RUNS_DIR) / name)
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    def rel(self, path: str | os.PathLike) -> str:
+        """`path` relative to this run (for reports and metrics); outside the run, relative to the repository."""
+        p = Path(path).resolve()
+        try:
+            return p.relative_to(self.root).as_posix()
+        except ValueError:
+            return repo_relative(p)
+
+    # -- study bookkeeping
+    @property
+    def study_config(self) -> Path:
+        return self.root / "study_config.json"
+
+    @property
+    def study_report(self) -> Path:
+        return self.root / "study_report.json"
+
+    @property
+    def stages_dir(self) -> Path:
+        return self.root / ".stages"
+
+    def stage_marker(self, stage: str) -> Path:
+        return self.stages_dir / f"{stage}.json"
+
+    @property
+    def notebooks_dir(self) -> Path:
+        return self.root / "notebooks"
+
+    @property
+    def plots_dir(self) -> Path:
+        return self.root / "plots"
+
+    def plot(self, name: str) -> Path:
+        return self.plots_dir / name
+
+    # -- 01_data
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def train_prompts(self) -> Path:
+        return self.data_dir / "train.jsonl"
+
+    @property
+    def heldout_prompts(self) -> Path:
+        return self.data_dir / "heldout.jsonl"
+
+    @property
+    def prompts_summary(self) -> Path:
+        return self.data_dir / "prompts_summary.json"
+
+    @property
+    def architecture(self) -> Path:
+        return self.root / "architecture.json"
+
+    def tiny_model_dir(self, arch: str) -> Path:
+        return self.root / f"tiny_{arch}"
+
+    # -- 02_teacher
+    @property
+    def teacher_dir(self) -> Path:
+        return self.root / "teacher"
+
+    @property
+    def targets(self) -> Path:
+        return self.teacher_dir / "targets.jsonl"
+
+    @property
+    def teacher_stats(self) -> Path:
+        return self.teacher_dir / "stats.json"
+
+    # -- 03_train_qat
+    @property
+    def train_dir(self) -> Path:
+        return self.root / "train"
+
+    @property
+    def best_distill(self) -> Path:
+        """Best distilled (fp) checkpoint, HF format."""
+        return self.train_dir / "best_distill"
+
+    @property
+    def best(self) -> Path:
+        """Best QAT checkpoint (latent fp weights, HF format) with its quant config."""
+        return self.train_dir / "best"
+
+    @property
+    def qat_quant_config(self) -> Path:
+        return self.best / "qat_quant_config.json"
+
+    # -- 04_pack
+    @property
+    def model_dir(self) -> Path:
+        return self.root / "model"
+
+    @property
+    def pack_report(self) -> Path:
+        return self.root / "pack_report.json"
+
+    # -- 05_eval
+    @property
+    def eval_dir(self) -> Path:
+        return self.root / "eval"
+
+    @property
+    def references(self) -> Path:
+        return self.eval_dir / "references.jsonl"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    # -- side studies
+    @property
+    def layer_study_dir(self) -> Path:
+        return self.root / "layer_study"

@@ -1,0 +1,60 @@
+"""Export a packed drafter to a plain transformers checkpoint, so transformers' own assisted generation
+(`target.generate(..., assistant_model=drafter)`) can use it as a baseline.
+
+    python -m drafter_lib.export --format hf OUT [--model-dir model]
+
+The exported weights are exactly what the engine restores from the pack (`restore_weight`, fp32), so the exported
+model's greedy drafts equal the engine's fp32 drafts.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from .layout import REPO_ROOT
+from .model_dir import read_model_dir
+
+# keys the study adds to config.json that transformers does not know; they stay in the pack only
+_STUDY_KEYS = ("pruned_from", "_name_or_path", "_model_name_or_path")
+
+
+def export_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike):
+    """Write `out_dir` as a transformers checkpoint (config.json + model.safetensors); returns the loaded model."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    packed = read_model_dir(model_dir)
+    cfg = {k: v for k, v in packed.config.items() if k not in _STUDY_KEYS}
+    model_type = cfg.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # a pack whose tensors do not cover the model (or carry extra ones) must not export silently
+    missing, unexpected = model.load_state_dict(packed.state_dict, strict=False)
+    missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ValueError(f"pack {model_dir} does not match a {model_type} model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.eval()
+    # the engine drafts without stop tokens; an exported assistant must not stop early either
+    model.generation_config.eos_token_id = packed.config.get("eos_token_id")
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    return model
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description="Export a packed drafter to another format.")
+    ap.add_argument("out", help="output directory")
+    ap.add_argument("--format", choices=["hf"], default="hf", help="hf: a transformers checkpoint")
+    ap.add_argument("--model-dir", default=str(REPO_ROOT / "model"), help="packed model dir (default: model/)")
+    args = ap.parse_args(argv)
+    export_hf(args.model_dir, args.out)
+    print(f"exported {args.model_dir} -> {args.out}")
+    return Path(args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,15 +11,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from .io_utils import check_token_ids
 from .model import KVCache, Transformer
-
-
-def _check_ids(seq: Sequence[int], vocab: int, what: str):
-    if len(seq) == 0:
-        raise ValueError(f"{what} is empty")
-    lo, hi = min(seq), max(seq)
-    if lo < 0 or hi >= vocab:
-        raise ValueError(f"{what} has token id {lo if lo < 0 else hi} outside the vocabulary [0, {vocab})")
+from .speculative import NativeTarget, accepted_length
 
 
 @torch.inference_mode()
@@ -44,7 +38,7 @@ def greedy_generate(model: Transformer, prompts: list[list[int]], max_new_tokens
         raise ValueError("max_new_tokens must be >= 0")
     vocab = model.config.vocab_size
     for i, p in enumerate(prompts):
-        _check_ids(p, vocab, f"prompt {i}")
+        check_token_ids(p, vocab, f"prompt {i}")
     stop = set(int(s) for s in stop_ids)
     outs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
@@ -86,10 +80,9 @@ def greedy_generate(model: Transformer, prompts: list[list[int]], max_new_tokens
     return outs
 
 
-@torch.inference_mode()
 def verify_greedy(model: Transformer, context: Sequence[int], draft: Sequence[int],
                   cache: KVCache | None = None, cached_len: int = 0) -> tuple[int, list[int]]:
-    """Greedy speculative verification in one forward pass.
+    """Greedy speculative verification in one forward pass (the rule and the target are `speculative`'s).
 
     Returns (n_accepted, target_tokens): target_tokens[j] is the target's greedy token after
     context + draft[:j] (len(draft)+1 of them), n_accepted the length of the longest draft prefix that equals
@@ -101,21 +94,12 @@ def verify_greedy(model: Transformer, context: Sequence[int], draft: Sequence[in
     """
     if not context:
         raise ValueError("context is empty")
-    seq = list(context) + list(draft)
-    _check_ids(seq, model.config.vocab_size, "context+draft")
+    seq = check_token_ids(list(context) + list(draft), model.config.vocab_size, "context+draft")
     if cache is None:
         cached_len = 0
-        cache = model.new_cache(1, len(seq))
     elif not 0 <= cached_len <= len(context):
         raise ValueError(f"cached_len {cached_len} outside [0, {len(context)}]")
-    if cached_len == len(context):  # need the logits at the last context position
-        cached_len -= 1
-    cache.grow(len(seq))
-    ids = torch.tensor(seq[cached_len:])[None]
-    logits = model(ids, torch.arange(cached_len, len(seq))[None], cache)
-    first = len(context) - 1 - cached_len
-    target = logits[0, first:].argmax(-1).tolist()
-    n = 0
-    while n < len(draft) and draft[n] == target[n]:
-        n += 1
-    return n, target
+    # the logits at the last context position are needed, so that token is always (re)computed
+    target = NativeTarget(model, cache, min(cached_len, len(context) - 1))
+    choices = target.score(seq[target.cached_len:], keep=len(draft) + 1).argmax(-1).tolist()
+    return accepted_length(draft, choices), choices

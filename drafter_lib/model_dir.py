@@ -22,8 +22,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from . import quantization as Q
+from .copy_policy import CopyPolicy
 
-__all__ = ["ModelDirError", "PackedModel", "write_model_dir", "read_model_dir", "sha256_file",
+__all__ = ["ModelDirError", "PackedModel", "write_model_dir", "read_model_dir", "read_copy_policy", "sha256_file",
            "MODEL_DIR_FORMAT", "MODEL_DIR_VERSION", "QUANT_FORMAT", "QUANT_VERSION"]
 
 MODEL_DIR_FORMAT, MODEL_DIR_VERSION = "specdraft-model-dir", 1
@@ -236,6 +237,26 @@ def read_model_dir(path, verify: bool = True) -> PackedModel:
         state_dict[LM_HEAD] = state_dict[src]  # one tensor, as in the tied model
     return PackedModel(config=config, quantization=quant_doc, copy_policy=copy_policy, manifest=manifest,
                        state_dict=state_dict, path=path, manifest_sha256=sha256_file(path / "manifest.json"))
+
+
+def read_copy_policy(path) -> CopyPolicy:
+    """The copy prior's settings of a model dir (or of a `copy_policy.json` file), validated: unknown keys, wrong
+    types and impossible values raise ModelDirError naming the key."""
+    path = Path(path)
+    f = path / "copy_policy.json" if path.is_dir() else path
+    doc = _read_json(f)
+    fields = CopyPolicy.__dataclass_fields__
+    unknown = sorted(set(doc) - set(fields))
+    if unknown:
+        raise ModelDirError(f"{f}: unknown copy policy key(s) {unknown}; expected some of {sorted(fields)}")
+    for key, value in doc.items():
+        want = type(fields[key].default)  # every field has a default, which tells its type
+        if type(value) is not want:  # exact: a bool is not an int here, nor an int a bool
+            raise ModelDirError(f"{f}: {key} must be {want.__name__}, got {value!r}")
+    try:
+        return CopyPolicy(**doc)
+    except ValueError as e:
+        raise ModelDirError(f"{f}: {e}") from e
 
 
 def _read_tensors(weights: Path, entries: dict) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Speculative decoding through a real server is lossless: output == the target's greedy `generate`."""
+"""Speculative decoding through a real server is lossless (output == the target's greedy `generate`) and takes the
+same steps as the same loop with the engine in process."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import pytest
 import torch
 from server_helpers import TINY_VOCAB, ServerProcess, tiny_hf_model, write_tiny_model_dir
 
-from drafter_lib.client import DraftServerError, SpeculativeClient, greedy_verify, speculative_generate
+from drafter_lib.client import DraftServerError, SpeculativeClient
+from drafter_lib.engine import DraftEngine
+from drafter_lib.model import Transformer
+from drafter_lib.speculative import NativeTarget, speculative_generate
 
 EOS = 258  # the byte tokenizer's <|im_end|>
 
@@ -17,20 +21,17 @@ def target():
 
 
 @pytest.fixture(scope="module")
-def client(target, tmp_path_factory):
+def drafter_dir(target, tmp_path_factory):
     # The drafter is the target itself, packed to int8: drafts agree often but not always, so both the
     # accept and the reject paths of verification run.
+    return write_tiny_model_dir(tmp_path_factory.mktemp("drafter") / "model", target, bits=8)
+
+
+@pytest.fixture(scope="module")
+def client(drafter_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("client")
-    model_dir = write_tiny_model_dir(tmp / "drafter", target, bits=8)
-    with ServerProcess(model_dir, tmp / "server.log", via_serve_sh=False) as srv, SpeculativeClient(srv.url) as c:
+    with ServerProcess(drafter_dir, tmp / "server.log", via_serve_sh=False) as srv, SpeculativeClient(srv.url) as c:
         yield c
-
-
-def test_greedy_verify():
-    assert greedy_verify([5, 6, 7], [5, 6, 7, 8]) == (3, 8)
-    assert greedy_verify([5, 6, 7], [5, 9, 7, 8]) == (1, 9)
-    assert greedy_verify([5, 6, 7], [4, 6, 7, 8]) == (0, 4)
-    assert greedy_verify([], [3]) == (0, 3)
 
 
 def _prompts():
@@ -45,10 +46,10 @@ def test_speculative_output_equals_greedy_generate(target, client, k):
         with torch.inference_mode():
             ref = target.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=EOS,
                                   pad_token_id=EOS)[0, len(prompt):].tolist()
-        out = speculative_generate(target, client, prompt, max_new_tokens=32, num_draft_tokens=k, eos_token_id=EOS)
+        out = speculative_generate(target, prompt, max_new_tokens=32, drafter=client, k=k, stop_ids=[EOS])
         assert out.tokens == ref
         if out.tokens[-1] != EOS:  # (an EOS inside an accepted draft cuts the last step short)
-            assert sum(out.accepted_lengths) + out.target_steps == len(out.tokens)
+            assert sum(out.accepted_lengths) + out.steps == len(out.tokens)
         assert all(0 <= a <= d <= k for a, d in zip(out.accepted_lengths, out.draft_lengths))
         means.append(out.mean_acceptance_length)
     # A quantized copy of the target drafts well: clearly more than one token per target step on average.
@@ -62,8 +63,25 @@ def test_wrong_drafter_is_still_lossless(target, client):
     with torch.inference_mode():
         ref = other.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=EOS,
                              pad_token_id=EOS)[0, len(prompt):].tolist()
-    out = speculative_generate(other, client, prompt, max_new_tokens=24, num_draft_tokens=8, eos_token_id=EOS)
+    out = speculative_generate(other, prompt, max_new_tokens=24, drafter=client, k=8, stop_ids=[EOS])
     assert out.tokens == ref
+
+
+def test_in_process_and_http_loops_agree(target, client, drafter_dir):
+    # The same packed drafter in this process and behind the server: same drafts, so the same loop takes the same
+    # steps; the native decoder as target verifies the HTTP drafts the same way the transformers model does.
+    engine = DraftEngine(drafter_dir)
+    native = NativeTarget(Transformer.from_hf(target.config.to_dict(), target.state_dict()))
+    for prompt in _prompts():
+        for k in (4, 16):
+            local = speculative_generate(target, prompt, 32, engine, k, stop_ids=[EOS])
+            remote = speculative_generate(target, prompt, 32, client, k, stop_ids=[EOS])
+            native_remote = speculative_generate(native, prompt, 32, client, k, stop_ids=[EOS])
+            assert local.tokens == remote.tokens == native_remote.tokens
+            assert local.steps == remote.steps == native_remote.steps
+            assert local.accepted_lengths == remote.accepted_lengths == native_remote.accepted_lengths
+            assert local.draft_lengths == remote.draft_lengths
+            assert local.mean_acceptance_length == remote.mean_acceptance_length > 1.0
 
 
 def test_client_surfaces_server_errors(client):

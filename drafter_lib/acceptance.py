@@ -1,0 +1,137 @@
+"""Acceptance statistics and the greedy-verification simulation.
+
+The target's greedy continuation of each held-out prompt (its reference) is computed once; at position i the
+drafter drafts k tokens from prompt + ref[:i], the accepted length follows the one greedy rule
+(`speculative.accepted_length` against ref[i:i+k]), the target adds one token, i += accepted + 1. This is exactly
+what real verification would do (the reference *is* the target's greedy output) but costs no target forward per
+step, so many drafters can be compared on the same references. Reported as vLLM does: mean acceptance length
+(tokens per target step, bonus token included: plain decoding = 1.0), acceptance rate per draft position,
+histogram of accepted lengths; overall and per category.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from .speculative import accepted_length, mean_acceptance_length
+
+
+@dataclass
+class AcceptanceStats:
+    """Counts for greedy verification with k drafted tokens per target step."""
+
+    k: int
+    steps: int = 0  # target forward passes
+    accepted: int = 0  # drafted tokens accepted, summed over steps
+    hist: list[int] = field(default_factory=list)  # hist[a] = steps that accepted exactly a tokens
+    pos_hits: list[int] = field(default_factory=list)  # steps whose draft was accepted past position j
+    pos_trials: list[int] = field(default_factory=list)  # steps where position j could be verified
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+        self.hist = self.hist or [0] * (self.k + 1)
+        self.pos_hits = self.pos_hits or [0] * self.k
+        self.pos_trials = self.pos_trials or [0] * self.k
+
+    def add(self, accepted: int, verifiable: int) -> None:
+        """One target step: `accepted` drafted tokens matched; `verifiable` positions existed in the reference."""
+        self.steps += 1
+        self.accepted += accepted
+        self.hist[accepted] += 1
+        for j in range(min(verifiable, self.k)):
+            self.pos_trials[j] += 1
+            self.pos_hits[j] += int(accepted > j)
+
+    def merge(self, other: AcceptanceStats) -> None:
+        if other.k != self.k:
+            raise ValueError(f"cannot merge stats for k={other.k} into k={self.k}")
+        self.steps += other.steps
+        self.accepted += other.accepted
+        for name in ("hist", "pos_hits", "pos_trials"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            for j, v in enumerate(theirs):
+                mine[j] += v
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        # Every simulated step emits its accepted drafts plus the target's bonus token.
+        return mean_acceptance_length(self.accepted + self.steps, self.steps)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        # Unconditional rate, as vLLM reports it: P(draft position j accepted) over steps where j was verifiable.
+        return [h / t if t else float("nan") for h, t in zip(self.pos_hits, self.pos_trials)]
+
+    def to_dict(self) -> dict:
+        return {
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "accepted_length_hist": list(self.hist),
+            "steps": self.steps,
+            "accepted_tokens": self.accepted,
+            "k": self.k,
+        }
+
+
+@dataclass
+class SimulationResult:
+    overall: AcceptanceStats
+    per_category: dict[str, AcceptanceStats]
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        d = self.overall.to_dict()
+        d["per_category"] = {c: s.to_dict() for c, s in self.per_category.items()}
+        d["seconds"] = self.seconds
+        return d
+
+
+def draft_many(drafter, contexts: list[list[int]], k: int) -> list[list[int]]:
+    """Drafts for several contexts: engines batch decode steps across requests (`draft_batch`), plain drafters go
+    one by one. Each draft is cut to k tokens."""
+    if hasattr(drafter, "draft_batch"):
+        out = drafter.draft_batch(contexts, k)
+    else:
+        out = [drafter.draft(c, k) for c in contexts]
+    return [list(d)[:k] for d in out]
+
+
+def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Sequence[int]], k: int = 16,
+             categories: Sequence[str] | None = None, batch_size: int = 16, desc: str = "simulate") -> SimulationResult:
+    """Greedy-verification simulation of `drafter` against the target's greedy `references` (see module doc).
+
+    Sequences advance in lockstep so engines with `draft_batch` draft for up to `batch_size` contexts at once.
+    When a draft runs to the end of the reference the step still counts its bonus token (the target always adds one).
+    """
+    if len(prompts) != len(references):
+        raise ValueError(f"{len(prompts)} prompts but {len(references)} references")
+    categories = list(categories) if categories is not None else ["all"] * len(prompts)
+    if len(categories) != len(prompts):
+        raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
+    overall = AcceptanceStats(k)
+    per_cat: dict[str, AcceptanceStats] = OrderedDict((c, AcceptanceStats(k)) for c in dict.fromkeys(categories))
+    pos = [0] * len(prompts)
+    t0 = time.perf_counter()
+    bar = tqdm(total=sum(len(r) for r in references), desc=desc, unit="tok", leave=False)
+    while True:
+        active = [s for s in range(len(prompts)) if pos[s] < len(references[s])]
+        if not active:
+            break
+        for c0 in range(0, len(active), batch_size):
+            chunk = active[c0:c0 + batch_size]
+            contexts = [list(prompts[s]) + list(references[s][:pos[s]]) for s in chunk]
+            for s, d in zip(chunk, draft_many(drafter, contexts, k)):
+                window = references[s][pos[s]:pos[s] + k]
+                a = accepted_length(d, window)
+                overall.add(a, len(window))
+                per_cat[categories[s]].add(a, len(window))
+                step = min(a + 1, len(references[s]) - pos[s])
+                pos[s] += step
+                bar.update(step)
+    bar.close()
+    return SimulationResult(overall, dict(per_cat), time.perf_counter() - t0)

@@ -1,0 +1,154 @@
+"""The one verification rule, the one speculative loop, and its two targets (drafter_lib.speculative)."""
+import random
+
+import pytest
+import torch
+from server_helpers import tiny_hf_model
+
+from drafter_lib.model import Transformer
+from drafter_lib.speculative import (
+    FnDrafter,
+    HFTarget,
+    NativeTarget,
+    accepted_length,
+    greedy_decode,
+    greedy_verify,
+    mean_acceptance_length,
+    speculative_generate,
+)
+
+VOCAB = 512
+
+
+def test_greedy_verify():
+    assert greedy_verify([5, 6, 7], [5, 6, 7, 8]) == (3, 8)
+    assert greedy_verify([5, 6, 7], [5, 9, 7, 8]) == (1, 9)
+    assert greedy_verify([5, 6, 7], [4, 6, 7, 8]) == (0, 4)
+    assert greedy_verify([], [3]) == (0, 3)
+    with pytest.raises(ValueError, match="target choices"):
+        greedy_verify([5, 6], [5, 6])
+    # the simulation's reference may end before the draft does
+    assert accepted_length([1, 2, 3], [1, 2]) == 2 and accepted_length([], [1]) == 0
+
+
+def test_mean_acceptance_length():
+    assert mean_acceptance_length(10, 10) == 1.0  # plain decoding
+    assert mean_acceptance_length(24, 4) == 6.0
+    assert mean_acceptance_length(0, 0) != mean_acceptance_length(0, 0)  # NaN without steps
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    from drafter_lib.hf_models import tiny_random_model
+
+    model, tok = tiny_random_model("llama", tokenizer="bytes", hidden_size=32, num_hidden_layers=2, seed=3)
+    return model, tok
+
+
+def test_speculative_decoding_is_lossless(tiny_target):
+    model, tok = tiny_target
+    prompts = [list(tok.encode("hello world, hello world")), list(tok.encode("abc abc abc"))]
+    greedy = [speculative_generate(model, p, 24).tokens for p in prompts]
+    assert all(len(g) == 24 for g in greedy)
+    full = [p + g for p, g in zip(prompts, greedy)]
+    by_prefix = {tuple(f[:n]): f for f in full for n in range(len(f))}
+    perfect = FnDrafter(lambda toks, k: by_prefix[tuple(toks)][len(toks):len(toks) + k])
+    rng = random.Random(0)
+    noisy = FnDrafter(lambda toks, k: [t if rng.random() < 0.7 else (t + 1) % 259
+                                       for t in by_prefix[tuple(toks)][len(toks):len(toks) + k]])
+    for drafter, min_mal in [(perfect, 5.0), (noisy, 1.0), (FnDrafter(lambda t, k: [7] * k), 1.0)]:
+        for p, g in zip(prompts, greedy):
+            r = speculative_generate(model, p, 24, drafter, k=6)
+            assert r.tokens == g
+            # tokens per target step; the first step (prompt + first draft) is a step like the others
+            assert r.mean_acceptance_length >= min_mal - 1e-9
+            assert r.mean_acceptance_length == len(r.tokens) / r.steps
+    # perfect drafter: 24 tokens in ceil(24/7) target steps
+    assert speculative_generate(model, prompts[0], 24, perfect, k=6).steps == 4
+
+
+@pytest.fixture(scope="module")
+def targets():
+    # std-0.3 random weights: varied, context-dependent greedy output (HF's default init repeats one token)
+    hf = tiny_hf_model(seed=0)
+    hf.generation_config.eos_token_id = None
+    native = Transformer.from_hf(hf.config.to_dict(), hf.state_dict())
+    return hf, native
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (1, 9, 40)]
+
+
+def oracle(full, wrong_every=0):
+    """Drafts what the target will say; with wrong_every=m, wrong wherever (context length + position) % m == 0,
+    so both the accept and the reject path of the rule run."""
+    def fn(toks, k):
+        d = full[len(toks):len(toks) + k]
+        return [(t + 1) % VOCAB if wrong_every and (len(toks) + j) % wrong_every == 0 else t for j, t in enumerate(d)]
+    return FnDrafter(fn)
+
+
+def _hf_greedy(hf, prompt, n):
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_hf_and_native_targets_agree_and_equal_plain_greedy(targets):
+    hf, native = targets
+    hf_t, native_t = HFTarget(hf), NativeTarget(native)  # reused across calls: each run starts a new sequence
+    for prompt in _prompts():
+        ref = _hf_greedy(hf, prompt, 20)
+        full = prompt + ref
+        perfect, noisy = oracle(full), oracle(full, wrong_every=3)
+        wrong = FnDrafter(lambda toks, k: [7] * k)
+        for drafter, k in [(None, 4), (perfect, 5), (noisy, 3), (wrong, 8), (FnDrafter(lambda t, k: []), 4)]:
+            a = speculative_generate(hf_t, prompt, 20, drafter, k)
+            b = speculative_generate(native_t, prompt, 20, drafter, k)
+            assert a.tokens == b.tokens == ref
+            assert a.accepted_lengths == b.accepted_lengths and a.draft_lengths == b.draft_lengths
+            assert all(0 <= n <= d <= k for n, d in zip(a.accepted_lengths, a.draft_lengths))
+            if drafter is None:
+                assert a.steps == 20 and a.mean_acceptance_length == 1.0  # plain decoding
+            if drafter is perfect:
+                assert a.steps == 4  # 20 tokens, 6 per step
+        # a raw model is wrapped in its target automatically
+        assert greedy_decode(native, prompt, 20) == greedy_decode(hf, prompt, 20) == ref
+
+
+def test_stop_ids_and_bad_input(targets):
+    hf, native = targets
+    prompt = _prompts()[1]
+    ref = _hf_greedy(hf, prompt, 20)
+    stop = ref[6]
+    perfect = oracle(prompt + ref)
+    for target in (hf, native):
+        out = speculative_generate(target, prompt, 20, perfect, k=16, stop_ids=[stop])
+        assert out.tokens == ref[:ref.index(stop) + 1]  # a stop token inside an accepted draft ends the run
+        assert speculative_generate(target, prompt, 0, perfect).tokens == []
+    with pytest.raises(ValueError, match="prompt is empty"):
+        speculative_generate(native, [], 4)
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_generate(native, [1, VOCAB], 4)
+    with pytest.raises(ValueError, match="draft"):
+        speculative_generate(native, prompt, 4, FnDrafter(lambda t, k: [VOCAB + 1]), k=2)
+
+
+def test_rollback(targets):
+    hf, native = targets
+    prompt = _prompts()[2]
+    for target in (HFTarget(hf), NativeTarget(native, chunk=16)):  # chunk < prompt: prefill in pieces
+        target.reset()
+        first = target.score(prompt, keep=1)
+        assert target.cached_len == len(prompt) and first.shape == (1, VOCAB)
+        target.score([1, 2, 3])
+        target.rollback(len(prompt))
+        again = target.score([9], keep=1)  # as if [1, 2, 3] had never been scored
+        target.reset()
+        fresh = target.score(prompt + [9], keep=1)
+        torch.testing.assert_close(again, fresh, rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError, match="roll back"):
+            target.rollback(target.cached_len + 1)

@@ -1,0 +1,200 @@
+"""End to end: wall-clock tokens/s of speculative vs plain greedy decoding, on the same target implementation.
+
+    python bench/speculative.py [--model-dir model] [--prompts FILE] [--n 12] [--max-new-tokens 256]
+                                [--k 1 2 4 8 16] [--min-confidence 0.3 ...] [--targets hf native]
+                                [--drafters engine http] [--no-assisted] [--json OUT]
+
+Targets: the default teacher (SmolLM2-135M-Instruct) as a transformers fp32 model and as the hand-written decoder.
+Drafters: the packed drafter in process (`DraftEngine`), and over HTTP through `serve.sh` on 127.0.0.1. Every row
+is checked lossless (its tokens equal the target's plain greedy tokens) and says where the time went (draft vs
+verify). transformers' own assisted generation (`generate(assistant_model=...)`) runs with the drafter exported by
+`drafter_lib.export`. Prompts: the run's held-out file when given or present, else held-out prompts of the
+embedded synthetic families and ../shared/data (by the study's id-hash split), spread over categories.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: idle OpenMP threads must not spin
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from drafter_lib import data, hf_models, teacher  # noqa: E402
+from drafter_lib.client import SpeculativeClient  # noqa: E402
+from drafter_lib.engine import DraftEngine  # noqa: E402
+from drafter_lib.evaluate import encode_records, load_eval_prompts, spread_over_categories  # noqa: E402
+from drafter_lib.layout import SHARED_DATA_DEFAULT, RunLayout  # noqa: E402
+from drafter_lib.model import Transformer  # noqa: E402
+from drafter_lib.speculative import HFTarget, NativeTarget, speculative_generate  # noqa: E402
+
+
+def heldout_prompts(path: str | None, n: int) -> list[dict]:
+    default_run = RunLayout.of("runs/default").heldout_prompts
+    if path or default_run.is_file():
+        return load_eval_prompts(path or default_run, n)
+    shared = SHARED_DATA_DEFAULT if SHARED_DATA_DEFAULT.is_dir() else None
+    records = []
+    for src in data.default_sources(shared, synthetic_n=600, humaneval=False):
+        recs, _ = data.load_source(src)
+        records += data.split_heldout(recs, 0.06)[1]  # the default study's held-out side
+    return spread_over_categories(records, n)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def start_server(model_dir: str):
+    import socket
+
+    with socket.socket() as s:  # a free loopback port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PORT": str(port), "HOST": "127.0.0.1", "MODEL_DIR": str(model_dir)}
+    proc = subprocess.Popen(["bash", str(ROOT / "serve.sh")], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    client = SpeculativeClient(f"http://127.0.0.1:{port}", timeout=120)
+    client.wait_ready(180, proc)
+    return proc, client
+
+
+class ConfidenceDrafter:
+    """The engine with a per-request `min_confidence` (dynamic draft length)."""
+
+    def __init__(self, engine, threshold: float):
+        self.engine, self.threshold = engine, threshold
+
+    def draft(self, tokens, k):
+        return self.engine.draft(tokens, k, min_confidence=self.threshold)
+
+
+def run_rows(target, prompts, max_new, stop, drafter, k) -> dict:
+    tokens, secs, dsecs, steps, outs = 0, 0.0, 0.0, 0, []
+    for p in prompts:
+        r = speculative_generate(target, p, max_new, drafter, k=k, stop_ids=stop)
+        tokens, secs, dsecs, steps = tokens + len(r.tokens), secs + r.seconds, dsecs + r.draft_seconds, steps + r.steps
+        outs.append(r.tokens)
+    return {"tokens": tokens, "seconds": secs, "draft_s": dsecs, "verify_s": secs - dsecs, "steps": steps,
+            "tok_s": tokens / secs, "mal": tokens / steps, "outputs": outs}
+
+
+def assisted_rows(hf, assistant, prompts, max_new, stop) -> tuple[dict, dict]:
+    def gen(**kw):
+        tokens, secs, outs = 0, 0.0, []
+        for p in prompts:
+            ids = torch.tensor([p])
+            t0 = time.perf_counter()
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                              eos_token_id=list(stop), pad_token_id=stop[0], **kw)[0, len(p):].tolist()
+            secs += time.perf_counter() - t0
+            tokens += len(out)
+            outs.append(out)
+        return {"tokens": tokens, "seconds": secs, "tok_s": tokens / secs, "outputs": outs}
+
+    return gen(), gen(assistant_model=assistant)
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", default=str(ROOT / "model"))
+    ap.add_argument("--prompts", default=None, help="held-out prompt file (project format or question.jsonl)")
+    ap.add_argument("--n", type=int, default=12, help="prompts, spread over categories")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--min-confidence", type=float, nargs="*", default=[0.2, 0.4],
+                    help="dynamic draft length thresholds (k=16 cap); needs an engine with min_confidence")
+    ap.add_argument("--targets", nargs="+", default=["hf", "native"], choices=["hf", "native"])
+    ap.add_argument("--drafters", nargs="+", default=["engine", "http"], choices=["engine", "http"])
+    ap.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+
+    records = heldout_prompts(args.prompts, args.n)
+    hf, tok = hf_models.load_default_teacher()
+    stop = teacher.stop_token_ids(tok)
+    prompts = encode_records(tok, records)
+    cats = sorted({str(r.get("category")) for r in records})
+    print(f"cpu: {cpu_name()}  capability: {torch.backends.cpu.get_cpu_capability()}  "
+          f"torch {torch.__version__}  threads {torch.get_num_threads()}")
+    print(f"{len(prompts)} prompts over {len(cats)} categories ({', '.join(cats)}), max {args.max_new_tokens} new "
+          f"tokens, drafter {args.model_dir}")
+
+    engine = DraftEngine(args.model_dir)
+    dynamic_ok = "min_confidence" in inspect.signature(engine.draft).parameters
+    drafters = {}
+    if "engine" in args.drafters:
+        drafters.update({f"engine k={k}": (engine, k) for k in args.k})
+        if dynamic_ok:
+            drafters.update({f"engine dyn>={c}": (ConfidenceDrafter(engine, c), 16) for c in args.min_confidence})
+    proc = client = None
+    if "http" in args.drafters:
+        proc, client = start_server(args.model_dir)
+        drafters.update({f"http k={k}": (client, k) for k in args.k})
+
+    targets = {}
+    if "hf" in args.targets:
+        targets["transformers fp32"] = HFTarget(hf)
+    if "native" in args.targets:
+        sd = {k: v.detach().float() for k, v in hf.state_dict().items()}
+        targets["hand-written fp32"] = NativeTarget(Transformer.from_hf(hf.config.to_dict(), sd).float().eval())
+
+    rows = []
+    header = (f"{'target':18} {'drafter':16} {'tok/s':>7} {'speedup':>7} {'MAL':>5} {'draft s':>8} {'verify s':>8} "
+              f"{'lossless':>8}")
+    print(header)
+    try:
+        for tname, target in targets.items():
+            plain = run_rows(target, prompts, args.max_new_tokens, stop, None, 0)
+            rows.append({"target": tname, "drafter": "plain greedy", **plain, "speedup": 1.0, "lossless": True})
+            for dname, (drafter, k) in drafters.items():
+                r = run_rows(target, prompts, args.max_new_tokens, stop, drafter, k)
+                rows.append({"target": tname, "drafter": dname, **r, "speedup": r["tok_s"] / plain["tok_s"],
+                             "lossless": r["outputs"] == plain["outputs"]})
+            for r in rows[-len(drafters) - 1:]:
+                print(f"{r['target']:18} {r['drafter']:16} {r['tok_s']:7.1f} {r['speedup']:6.2f}x "
+                      f"{r.get('mal', 1.0):5.2f} {r.get('draft_s', 0):8.1f} {r.get('verify_s', r['seconds']):8.1f} "
+                      f"{str(r['lossless']):>8}", flush=True)
+        if not args.no_assisted:
+            from drafter_lib.export import export_hf
+
+            with tempfile.TemporaryDirectory() as d:
+                assistant = export_hf(args.model_dir, Path(d) / "hf")
+            plain, assisted = assisted_rows(hf, assistant, prompts, args.max_new_tokens, stop)
+            r = {"target": "transformers generate", "drafter": "assistant_model", **assisted,
+                 "speedup": assisted["tok_s"] / plain["tok_s"], "lossless": assisted["outputs"] == plain["outputs"]}
+            rows += [{"target": "transformers generate", "drafter": "plain greedy", **plain, "speedup": 1.0,
+                      "lossless": True}, r]
+            for r in rows[-2:]:
+                print(f"{r['target']:18} {r['drafter']:16} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {'':5} {'':8} "
+                      f"{r['seconds']:8.1f} {str(r['lossless']):>8}", flush=True)
+    finally:
+        if proc is not None:
+            client.close()
+            proc.terminate()
+            proc.wait(30)
+    if args.json:
+        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows],
+                                              indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

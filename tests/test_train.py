@@ -1,4 +1,5 @@
 """Drafter training: loss mask, learning, exact resume, QAT weights that pack exactly, 2-process DDP."""
+import dataclasses
 import json
 import os
 import socket
@@ -13,9 +14,10 @@ from safetensors.torch import load_file
 from drafter_lib import train
 from drafter_lib.train import IGNORE, TrainConfig
 
+INT8_ROWS = {"bits": 8, "group_size": None, "scale_dtype": "float16"}
 QUANT = {"default": {"bits": 4, "group_size": 32, "scale_dtype": "float16"},
-         "overrides": [{"pattern": "model.embed_tokens.weight", "spec": {"bits": 8, "group_size": None, "scale_dtype": "float16"}},
-                       {"pattern": "lm_head.weight", "spec": {"bits": 8, "group_size": None, "scale_dtype": "float16"}}]}
+         "overrides": [{"pattern": "model.embed_tokens.weight", "spec": INT8_ROWS},
+                       {"pattern": "lm_head.weight", "spec": INT8_ROWS}]}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +161,7 @@ def _free_port() -> int:
 def test_two_process_cpu_run_matches_single_process(workdir, tmp_path):
     """2 CPU processes (torchrun, gloo DDP through accelerate) == 1 process with grad_accum=2 (same global batches)."""
     cfg = cfg_for(workdir, tmp_path / "ddp", steps=3, qat_steps=2, ckpt_every=100, eval_every=100, num_threads=1)
-    (tmp_path / "cfg.json").write_text(json.dumps(train.asdict(cfg)))
+    (tmp_path / "cfg.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(train.__file__).parents[1])}
     # torchrun (gloo) rather than `accelerate launch --cpu`, which only runs several CPU processes through mpirun
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),

@@ -92,6 +92,12 @@ def test_loss_decreases_and_outputs(workdir, tmp_path):
     info = json.loads((out / "best" / "train_info.json").read_text())
     assert info["phase"] == "qat" and info["val_loss"] == res["best"]["qat"]
     assert json.loads((out / "best" / "config.json").read_text())["num_hidden_layers"] == 2
+    # the config record holds paths relative to out_dir, none of this machine's
+    text = (out / "train_config.json").read_text()
+    assert str(tmp_path) not in text and str(workdir) not in text
+    tc = json.loads(text)
+    assert tc["out_dir"] == "." and (out / tc["train_path"]).resolve() == (workdir / "targets.jsonl").resolve()
+    assert (out / tc["base_model"]).resolve() == (workdir / "base").resolve()
 
 
 def _final_weights(out):

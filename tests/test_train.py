@@ -21,14 +21,11 @@ QUANT = {"default": {"bits": 4, "group_size": 32, "scale_dtype": "float16"},
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def workdir(tmp_path_factory, tiny_random):
     """A tiny random Llama (saved as an HF dir with its tokenizer) and a tiny repetitive teacher-target file."""
-    from drafter_lib.hf_models import tiny_random_model
-
     d = tmp_path_factory.mktemp("train")
-    model, tok = tiny_random_model("llama", tokenizer="bytes", hidden_size=32, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                                   max_position_embeddings=128)
+    model, tok = tiny_random("llama", hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
     model.save_pretrained(d / "base")
     tok.save_pretrained(d / "base")
     g = torch.Generator().manual_seed(0)

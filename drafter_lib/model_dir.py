@@ -23,6 +23,8 @@ from tqdm.auto import tqdm
 
 from . import quantization as Q
 from .copy_policy import CopyPolicy
+from .io_utils import write_json
+from .layout import repo_relative
 
 __all__ = ["ModelDirError", "PackedModel", "write_model_dir", "read_model_dir", "read_copy_policy", "sha256_file",
            "MODEL_DIR_FORMAT", "MODEL_DIR_VERSION", "QUANT_FORMAT", "QUANT_VERSION"]
@@ -57,20 +59,31 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _json_default(o):
-    if isinstance(o, torch.dtype):
-        return str(o).removeprefix("torch.")
-    if isinstance(o, Path):
-        return str(o)
-    if isinstance(o, (set, tuple)):
-        return list(o)
-    raise TypeError(f"{type(o).__name__} is not JSON serializable")
+# Loader bookkeeping that transformers puts into a config: the directory the model was loaded from (a path of the
+# machine that packed it). It describes no architecture, so a pack leaves it out and stays machine-independent.
+MACHINE_CONFIG_KEYS = ("_name_or_path",)
+
+
+def _portable_config(hf_config: dict) -> dict:
+    """The config as stored in config.json: no machine paths, torch dtypes as their names."""
+    return {k: str(v).removeprefix("torch.") if isinstance(v, torch.dtype) else v
+            for k, v in hf_config.items() if k not in MACHINE_CONFIG_KEYS}
+
+
+def _portable_value(v):
+    """Manifest metadata with every filesystem path made repository-relative (paths of the packing machine must
+    not travel with a published pack)."""
+    if isinstance(v, dict):
+        return {k: _portable_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_portable_value(x) for x in v]
+    if isinstance(v, os.PathLike) or (isinstance(v, str) and os.path.isabs(v)):
+        return repo_relative(v)
+    return v
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=_json_default) + "\n")
-    os.replace(tmp, path)
+    write_json(path, obj, sort_keys=True)  # sorted keys: the same dict always gives the same bytes (and sha256)
 
 
 def _as_dict(obj, what: str) -> dict:
@@ -101,7 +114,7 @@ def write_model_dir(out_dir, hf_config: dict, state_dict: dict, qconfig, copy_po
     elif isinstance(qconfig, dict):
         qconfig = Q.QuantConfig.from_dict(qconfig)
     copy_policy = _as_dict(copy_policy, "copy_policy") if copy_policy is not None else {"enabled": False}
-    extra_manifest = dict(extra_manifest or {})
+    extra_manifest = _portable_value(dict(extra_manifest or {}))
     clash = RESERVED_MANIFEST_KEYS & set(extra_manifest)
     if clash:
         raise ValueError(f"extra_manifest may not set reserved manifest keys {sorted(clash)}")
@@ -158,7 +171,7 @@ def write_model_dir(out_dir, hf_config: dict, state_dict: dict, qconfig, copy_po
     tmp = out_dir / "weights.safetensors.tmp"
     save_file(tensors, str(tmp), metadata={"format": "pt"})  # one key: safetensors writes metadata in hash order
     os.replace(tmp, out_dir / "weights.safetensors")
-    _write_json(out_dir / "config.json", hf_config)
+    _write_json(out_dir / "config.json", _portable_config(hf_config))
     _write_json(out_dir / "quantization.json", quant_doc)
     _write_json(out_dir / "copy_policy.json", copy_policy)
 

@@ -10,11 +10,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _save(fig, path) -> Path:
+def _save(fig, path, dpi: int = 110) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
 
@@ -107,3 +107,24 @@ def bar_counts(counts: Mapping[str, int], path, title: str = "Prompts", xlabel: 
     ax.set_xlabel(xlabel or "count")
     ax.tick_params(axis="y", labelsize=7)
     return _save(fig, path)
+
+
+def plot_losses(history: Sequence[Mapping], path, title: str = "drafter training") -> Path:
+    """Train and validation loss vs optimizer step (a training history); the QAT phase shaded."""
+    tr = [(h["step"], h["loss"]) for h in history if h.get("kind") == "train"]
+    va = [(h["step"], h["loss"]) for h in history if h.get("kind") == "val"]
+    qat = [h["step"] for h in history if h.get("phase") == "qat"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if tr:
+        ax.plot(*zip(*tr), label="train", lw=1, alpha=0.8)
+    if va:
+        ax.plot(*zip(*va), "o-", label="validation", ms=3)
+    if qat:
+        start = min(s for s in qat) - 1
+        ax.axvspan(start, max(s for s, _ in tr + va), color="orange", alpha=0.15, label="QAT")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("CE on continuation tokens (nats)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, path, dpi=120)

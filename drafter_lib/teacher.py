@@ -5,6 +5,8 @@ Output rows (one JSON object per line, flushed after every batch):
 `continuation_ids` ends with the stop token (EOS / <|im_end|>) when the teacher produced one, so a drafter
 trained on it also learns where answers end. A sidecar `<out>.meta.json` records the teacher (id, revision,
 sha256 of its weights) and the generation settings; resuming with a different teacher or settings is an error.
+Once generation finishes it also records the output file's row count and sha256 (`output`), which
+`drafter_lib.verify` checks.
 
 Two backends:
   "native": the hand-written decoder (`drafter_lib.model` + `drafter_lib.generate.greedy_generate`) loaded with
@@ -24,6 +26,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from .io_utils import read_json, read_jsonl, write_json, write_jsonl
+from .layout import repo_relative
+from .model_dir import sha256_file
+
 FORMAT_VERSION = 1
 
 
@@ -35,7 +41,8 @@ def prompt_messages(record: dict) -> list[dict]:
         return [{"role": m["role"], "content": m["content"]} for m in record["messages"]]
     if record.get("turns"):
         return [{"role": "user", "content": record["turns"][0]}]
-    raise ValueError(f"prompt record {record.get('id', record.get('question_id'))!r} has neither 'messages' nor 'turns'")
+    rid = record.get("id", record.get("question_id"))
+    raise ValueError(f"prompt record {rid!r} has neither 'messages' nor 'turns'")
 
 
 def record_id(record: dict) -> str:
@@ -131,27 +138,38 @@ def merge_shards(shard_paths: Sequence[str | os.PathLike], out_path: str | os.Pa
             by_id[row["id"]] = row
         mp = meta_path(p)
         if mp.exists():
-            metas.append(json.loads(mp.read_text()))
+            metas.append(read_json(mp))
     keys = ("teacher", "generation")
     for m in metas[1:]:
         if any(m.get(k) != metas[0].get(k) for k in keys):
             raise ValueError("shards were generated with different teachers or settings; refusing to merge")
     out_path = Path(out_path)
-    tmp = out_path.with_suffix(out_path.suffix + ".tmp")
-    with open(tmp, "w") as f:
-        for rid in sorted(by_id):
-            f.write(json.dumps(by_id[rid]) + "\n")
-    os.replace(tmp, out_path)
+    write_jsonl(out_path, [by_id[rid] for rid in sorted(by_id)])
     if metas:
-        merged = {k: v for k, v in metas[0].items() if k not in ("shard_index", "num_shards")}
-        merged["merged_from"] = [str(p) for p in shard_paths]
+        merged = {k: v for k, v in metas[0].items() if k not in ("shard_index", "num_shards", "output")}
+        merged["merged_from"] = [repo_relative(p) for p in shard_paths]  # no machine paths in the record
         merged["num_rows"] = len(by_id)
-        meta_path(out_path).write_text(json.dumps(merged, indent=2))
+        merged["output"] = output_record(out_path, len(by_id))
+        write_json(meta_path(out_path), merged)
     return len(by_id)
 
 
 def meta_path(out_path: str | os.PathLike) -> Path:
     return Path(str(out_path) + ".meta.json")
+
+
+def output_record(out_path: str | os.PathLike, rows: int) -> dict:
+    """The meta's description of a finished targets file: name, row count, sha256 of its bytes."""
+    out_path = Path(out_path)
+    return {"file": out_path.name, "rows": rows, "sha256": sha256_file(out_path)}
+
+
+def portable_model_id(model_id: str | None) -> str | None:
+    """A model id for the meta: a spec or hub id as given, a local directory relative to the repository (an
+    absolute path of this machine would make the meta, and every hash over it, machine-specific)."""
+    if isinstance(model_id, str) and os.path.isabs(model_id):
+        return repo_relative(model_id)
+    return model_id
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -255,7 +273,8 @@ def generate_targets(
     meta = {
         "format_version": FORMAT_VERSION,
         "teacher": {
-            "id": teacher_id or getattr(model.config, "_name_or_path", None) or model.config.model_type,
+            "id": portable_model_id(teacher_id or getattr(model.config, "_name_or_path", None)
+                                    or model.config.model_type),
             "revision": teacher_revision,
             "weights_sha256": weights_sha256(model),
             "model_type": model.config.model_type,
@@ -267,12 +286,12 @@ def generate_targets(
     }
     mp = meta_path(out_path)
     if mp.exists() and out_path.exists():
-        old = json.loads(mp.read_text())
+        old = read_json(mp)
         for key in ("teacher", "generation", "shard_index", "num_shards"):
             if old.get(key) != meta[key]:
                 raise ValueError(f"{out_path} was started with a different {key} ({old.get(key)} != {meta[key]}); "
                                  "use a new output path")
-    mp.write_text(json.dumps(meta, indent=2))
+    write_json(mp, meta)  # without "output" until this call finishes: an unfinished file has no recorded hash
 
     mine = select_shard(records, shard_index, num_shards)
     ids = [record_id(r) for r in mine]
@@ -310,6 +329,7 @@ def generate_targets(
                 on_batch(bi, rows)
     bar.close()
     dt = time.perf_counter() - t0
+    write_json(mp, {**meta, "output": output_record(out_path, len(done) + n_rows)})
     return {"written": n_rows, "already_done": len(done), "new_tokens": n_tok, "seconds": dt,
             "tokens_per_s": n_tok / dt if dt > 0 else 0.0, "backend": gen.name}
 
@@ -321,7 +341,7 @@ def _load_records(path: str) -> list[dict]:
         from drafter_lib.data import load_prompt_file  # owner: models; handles both prompt formats
         return list(load_prompt_file(path))
     except ImportError:
-        return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        return read_jsonl(path)
 
 
 def main(argv=None):

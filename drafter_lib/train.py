@@ -9,33 +9,50 @@ Runs single-process on CPU or multi-process via `accelerate launch` (DDP). Batch
 of (seed, data position), and the loss of one optimizer step is normalised by the target-token count of the whole
 global step, so N processes compute the same update as one process with N times the micro-batches.
 
-Outputs under `out_dir`: checkpoints/step_XXXXXXX (model, optimizer, scheduler, step, RNG, data position;
-written to a tmp dir then renamed), history.json/.csv, losses.png, best_distill/ (fp, HF format) and best/
-(final phase's best validation loss, HF format with the latent fp weights; packing them with the QAT quant
-config reproduces exactly the fake-quant weights the model trained with) plus qat_quant_config.json.
+Outputs under `out_dir`: train_config.json, checkpoints/step_XXXXXXX (model, optimizer, scheduler, step, RNG,
+data position; see `checkpoint.py`), history.json/.csv, losses.png, best_distill/ (fp, HF format) and best/ (final
+phase's best validation loss, HF format with the latent fp weights; packing them with the QAT quant config
+reproduces exactly the fake-quant weights the model trained with) plus qat_quant_config.json.
+
+Modules: `train_data` (examples, split, batches), `train_loss` (objective, schedule, optimizer), `checkpoint`
+(atomic checkpoints, HF exports, history), `plots.plot_losses`; this one holds the config, the loop and the CLI.
 """
 from __future__ import annotations
 
 import argparse
-import csv
+import contextlib
 import json
 import math
 import os
 import random
 import shutil
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
 from tqdm.auto import tqdm
 
-IGNORE = -100
-CKPT_DIR = "checkpoints"
+from .checkpoint import (
+    CKPT_DIR,
+    latest_checkpoint,
+    read_checkpoint,
+    save_checkpoint,
+    save_hf,
+    set_rng_state,
+    write_history,
+)
+from .io_utils import to_jsonable, write_json
+from .plots import plot_losses
+from .train_data import IGNORE, BatchStream, Example, collate, epoch_batches, load_examples, split_val, target_ids
+from .train_loss import LossModule, lr_lambda, make_optimizer, teacher_target_logits
+
+# Re-exported: the notebooks, layer_study and tests reach these through `drafter_lib.train`.
+__all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "build_base_model", "portable_config",
+           "IGNORE", "CKPT_DIR", "Example", "BatchStream", "collate", "epoch_batches", "load_examples", "split_val",
+           "target_ids", "LossModule", "lr_lambda", "make_optimizer", "teacher_target_logits", "latest_checkpoint",
+           "save_hf", "write_history", "plot_losses"]
 
 
 @dataclass
@@ -110,149 +127,8 @@ class TrainConfig:
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.steps < 0 or self.qat_steps < 0 or self.total_steps < 1:
-            raise ValueError(f"need steps >= 0, qat_steps >= 0 and at least one step (got {self.steps}, {self.qat_steps})")
-
-
-# ---------------------------------------------------------------- data
-
-@dataclass
-class Example:
-    id: str
-    ids: list[int]       # prompt + continuation (truncated)
-    prompt_len: int
-
-
-def load_examples(path: str | os.PathLike, max_seq_len: int) -> list[Example]:
-    """Teacher target rows -> examples; rows with no continuation token left after truncation are dropped."""
-    from drafter_lib.teacher import read_rows
-
-    out = []
-    for row in read_rows(path):
-        ids = (list(row["prompt_ids"]) + list(row["continuation_ids"]))[:max_seq_len]
-        if len(ids) > len(row["prompt_ids"]):
-            out.append(Example(str(row["id"]), ids, len(row["prompt_ids"])))
-    if not out:
-        raise ValueError(f"{path}: no usable rows (empty file or every prompt longer than max_seq_len={max_seq_len})")
-    return out
-
-
-def split_val(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
-    """Held-out split by stable id hash (same split on every machine and every run)."""
-    from drafter_lib.teacher import shard_of
-
-    if fraction <= 0:
-        return examples, []
-    val = [e for e in examples if shard_of("val:" + e.id, 10_000) < fraction * 10_000]
-    vids = {e.id for e in val}
-    return [e for e in examples if e.id not in vids], val
-
-
-def target_ids(ids: Sequence[int], prompt_len: int) -> list[int]:
-    """Next-token targets for each input position: ids[t+1] where t+1 is a continuation token, else IGNORE."""
-    return [ids[t + 1] if t + 1 >= prompt_len else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
-
-
-def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids, attention_mask, targets (IGNORE on prompt, last and pad positions)."""
-    T = max(len(e.ids) for e in examples)
-    inp = torch.full((len(examples), T), pad_id, dtype=torch.long)
-    att = torch.zeros((len(examples), T), dtype=torch.long)
-    tgt = torch.full((len(examples), T), IGNORE, dtype=torch.long)
-    for i, e in enumerate(examples):
-        n = len(e.ids)
-        inp[i, :n] = torch.tensor(e.ids)
-        att[i, :n] = 1
-        tgt[i, :n] = torch.tensor(target_ids(e.ids, e.prompt_len))
-    return {"input_ids": inp, "attention_mask": att, "targets": tgt}
-
-
-def epoch_batches(lengths: Sequence[int], batch_size: int, bucket_batches: int, seed: int, epoch: int) -> list[list[int]]:
-    """One epoch's micro-batches (example indices): shuffle, sort by length inside windows of `bucket_batches`
-    batches so a batch holds similar lengths, shuffle the batch order. Pure function of (seed, epoch)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    perm = torch.randperm(len(lengths), generator=g).tolist()
-    win = batch_size * bucket_batches
-    batches = []
-    for s in range(0, len(perm), win):
-        chunk = sorted(perm[s:s + win], key=lambda i: lengths[i])
-        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
-    order = torch.randperm(len(batches), generator=g).tolist()
-    return [batches[i] for i in order]
-
-
-class BatchStream:
-    """Micro-batch number p (0, 1, 2, ... across epochs) -> example indices; the data position is just p."""
-
-    def __init__(self, examples: list[Example], cfg: TrainConfig):
-        self.lengths = [len(e.ids) for e in examples]
-        self.cfg = cfg
-        self._cache: dict[int, list[list[int]]] = {}
-
-    def epoch(self, e: int) -> list[list[int]]:
-        if e not in self._cache:
-            self._cache = {e: epoch_batches(self.lengths, self.cfg.batch_size, self.cfg.bucket_batches,
-                                            self.cfg.seed, e)}
-        return self._cache[e]
-
-    def __getitem__(self, p: int) -> list[int]:
-        n = len(self.epoch(0))
-        return self.epoch(p // n)[p % n]
-
-
-# ---------------------------------------------------------------- loss
-
-class LossModule(nn.Module):
-    """Wraps the HF causal LM so DDP sees one forward: hidden states -> lm_head only at target positions
-    (prompt/pad positions never pay for the vocab projection) -> summed CE (+ KL)."""
-
-    def __init__(self, lm: nn.Module):
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, input_ids, attention_mask, targets, teacher_logits=None, kl_weight=0.0, temperature=1.0):
-        h = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        sel = targets != IGNORE
-        logits = self.lm.lm_head(h[sel]).float()                     # [N, V]
-        ce = F.cross_entropy(logits, targets[sel], reduction="sum")
-        if teacher_logits is None or kl_weight == 0:
-            return ce, ce.detach()
-        t = temperature
-        kl = F.kl_div(F.log_softmax(logits / t, -1), F.log_softmax(teacher_logits.float() / t, -1),
-                      log_target=True, reduction="sum") * t * t
-        return ce + kl_weight * kl, ce.detach()
-
-
-@torch.no_grad()
-def teacher_target_logits(teacher, batch) -> torch.Tensor:
-    h = teacher.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-    return teacher.lm_head(h[batch["targets"] != IGNORE])
-
-
-# ---------------------------------------------------------------- schedule, optimizer
-
-def lr_lambda(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
-    """LR multiplier at `step` (0-based, within a phase): linear warmup then cosine/linear decay to min_ratio."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant" or total <= warmup:
-        return 1.0
-    frac = min(1.0, (step - warmup) / max(1, total - warmup))
-    decay = 0.5 * (1 + math.cos(math.pi * frac)) if schedule == "cosine" else 1 - frac
-    return min_ratio + (1 - min_ratio) * decay
-
-
-def make_optimizer(model: nn.Module, cfg: TrainConfig, phase: str):
-    lr = cfg.lr if phase == "distill" else cfg.qat_lr
-    total = cfg.steps if phase == "distill" else cfg.qat_steps
-    warm = cfg.warmup_steps if phase == "distill" else cfg.qat_warmup_steps
-    params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())  # tied weights once
-    decay = [p for p in params if p.ndim >= 2]
-    no_decay = [p for p in params if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=tuple(cfg.betas))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_lambda(s, total, warm, cfg.schedule, cfg.min_lr_ratio))
-    return opt, sched
+            raise ValueError(f"need steps >= 0, qat_steps >= 0 and at least one step "
+                             f"(got {self.steps}, {self.qat_steps})")
 
 
 def quant_config(cfg: TrainConfig):
@@ -260,8 +136,6 @@ def quant_config(cfg: TrainConfig):
 
     return QuantConfig.from_dict(cfg.quant) if cfg.quant else QuantConfig.default_for(group_size=cfg.qat_group_size)
 
-
-# ---------------------------------------------------------------- model I/O
 
 def build_base_model(cfg: TrainConfig):
     """(HF model, tokenizer): the base drafter, layer-pruned if cfg.keep_layers."""
@@ -274,88 +148,17 @@ def build_base_model(cfg: TrainConfig):
     return model, tok
 
 
-def save_hf(model: nn.Module, tokenizer, path: Path, extra: dict | None = None):
-    """save_pretrained with the latent fp weights (fake-quant parametrizations stripped), atomically."""
-    from drafter_lib.quantization import unparametrized_state_dict
-
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    sd = {k: v.detach().contiguous().clone() for k, v in unparametrized_state_dict(model).items()}
-    model.save_pretrained(tmp, state_dict=sd)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    if extra is not None:
-        (tmp / "train_info.json").write_text(json.dumps(extra, indent=2))
-    old = path.with_name(path.name + ".old")
-    if path.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def _set_rng_state(s: dict):
-    torch.set_rng_state(s["torch"])
-    random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
-    if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-
-def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    d = Path(out_dir) / CKPT_DIR
-    done = sorted(p for p in d.glob("step_*") if p.is_dir() and not p.name.endswith(".tmp")
-                  and (p / "state.json").exists()) if d.is_dir() else []
-    return done[-1] if done else None
-
-
-# ---------------------------------------------------------------- history and plot
-
-def write_history(history: list[dict], out_dir: Path):
-    tmp = out_dir / "history.json.tmp"
-    tmp.write_text(json.dumps(history, indent=1))
-    os.replace(tmp, out_dir / "history.json")
-    keys = ["step", "phase", "kind", "loss", "lr", "tokens_per_s", "grad_norm"]
-    with open(out_dir / "history.csv.tmp", "w", newline="") as f:
-        w = csv.DictWriter(f, keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(history)
-    os.replace(out_dir / "history.csv.tmp", out_dir / "history.csv")
-
-
-def plot_losses(history: list[dict], path: str | os.PathLike, title: str = "drafter training") -> Path:
-    """Train and validation loss vs step; the QAT phase shaded. Returns the PNG path."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tr = [(h["step"], h["loss"]) for h in history if h.get("kind") == "train"]
-    va = [(h["step"], h["loss"]) for h in history if h.get("kind") == "val"]
-    qat = [h["step"] for h in history if h.get("phase") == "qat"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if tr:
-        ax.plot(*zip(*tr), label="train", lw=1, alpha=0.8)
-    if va:
-        ax.plot(*zip(*va), "o-", label="validation", ms=3)
-    if qat:
-        start = min(s for s in qat) - 1
-        ax.axvspan(start, max(s for s, _ in tr + va), color="orange", alpha=0.15, label="QAT")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("CE on continuation tokens (nats)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+def portable_config(cfg: TrainConfig) -> dict:
+    """TrainConfig as a dict for train_config.json, with file paths relative to out_dir: the record must not
+    carry the machine's absolute paths (and stays valid when the run directory moves)."""
+    d = to_jsonable(cfg)
+    out = Path(cfg.out_dir).resolve()
+    for k in ("train_path", "val_path", "base_model", "teacher_model"):
+        v = d.get(k)
+        if isinstance(v, str) and v and Path(v).exists():  # hub ids / default model names stay as they are
+            d[k] = os.path.relpath(Path(v).resolve(), out).replace(os.sep, "/")
+    d["out_dir"] = "."
+    return d
 
 
 # ---------------------------------------------------------------- the loop
@@ -373,7 +176,7 @@ class Trainer:
         self.out = Path(cfg.out_dir)
         if self.acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+            write_json(self.out / "train_config.json", portable_config(cfg))
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -416,47 +219,30 @@ class Trainer:
 
     # -- checkpoints
     def save_checkpoint(self):
-        acc, d = self.acc, self.out / CKPT_DIR
-        final = d / f"step_{self.step:07d}"
-        tmp = d / f"step_{self.step:07d}.tmp"
-        if acc.is_main_process:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-        acc.wait_for_everyone()
-        torch.save(_rng_state(), tmp / f"rng_{acc.process_index}.pt")
-        acc.wait_for_everyone()
-        if acc.is_main_process:
-            torch.save(self.model.state_dict(), tmp / "model.pt")
-            torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
-            torch.save(self.sched.state_dict(), tmp / "scheduler.pt")
-            state = {"step": self.step, "data_pos": self.data_pos, "phase": self.phase, "best": self.best,
-                     "history": self.history, "num_processes": acc.num_processes}
-            (tmp / "state.json").write_text(json.dumps(state))
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)  # the checkpoint appears complete or not at all
-            for old in sorted(p for p in d.glob("step_*") if not p.name.endswith(".tmp"))[:-self.cfg.keep_checkpoints]:
-                shutil.rmtree(old, ignore_errors=True)
-        acc.wait_for_everyone()
+        state = {"step": self.step, "data_pos": self.data_pos, "phase": self.phase, "best": self.best,
+                 "history": self.history, "num_processes": self.acc.num_processes}
+        save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched, state,
+                        self.cfg.keep_checkpoints)
 
     def load_checkpoint(self, path: Path):
-        state = json.loads((path / "state.json").read_text())
+        ck = read_checkpoint(path, self.acc.process_index)
+        state = ck["state"]
         if state["phase"] == "qat":
             from drafter_lib.quantization import apply_fake_quant
             self.acc.free_memory()
             apply_fake_quant(self.model, quant_config(self.cfg))
-        self.model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"))
+        self.model.load_state_dict(ck["model"])
         self.model.to(self.acc.device)
         opt, sched = make_optimizer(self.model, self.cfg, state["phase"])
-        opt.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
-        sched.load_state_dict(torch.load(path / "scheduler.pt", weights_only=False))
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
         self.acc.free_memory()
         self.loss_mod, self.opt = self.acc.prepare(LossModule(self.model), opt)
         self.sched, self.phase = sched, state["phase"]
         self.step, self.data_pos, self.best = state["step"], state["data_pos"], state["best"]
         self.history = state["history"]
-        rng = path / f"rng_{self.acc.process_index}.pt"
-        if rng.exists():
-            _set_rng_state(torch.load(rng, weights_only=False))
+        if ck["rng"] is not None:
+            set_rng_state(ck["rng"])
 
     # -- one step
     def _micro_batches(self):
@@ -476,7 +262,7 @@ class Trainer:
             batch = {k: v.to(dev) for k, v in batch.items()}
             tl = teacher_target_logits(self.teacher, batch) if self.teacher is not None else None
             sync = a == len(batches) - 1
-            ctx = self.acc.no_sync(self.loss_mod) if not sync else _null()
+            ctx = self.acc.no_sync(self.loss_mod) if not sync else contextlib.nullcontext()
             with ctx, self.acc.autocast():
                 loss, ce = self.loss_mod(**batch, teacher_logits=tl, kl_weight=self.cfg.kl_weight,
                                          temperature=self.cfg.kl_temperature)
@@ -523,8 +309,7 @@ class Trainer:
                 save_hf(self.model, self.tok, self.out / name,
                         {"step": self.step, "phase": self.phase, "val_loss": val})
                 if self.phase == "qat":
-                    (self.out / name / "qat_quant_config.json").write_text(
-                        json.dumps(quant_config(self.cfg).to_dict(), indent=2))
+                    write_json(self.out / name / "qat_quant_config.json", quant_config(self.cfg).to_dict())
             self.acc.wait_for_everyone()
         return val
 
@@ -539,7 +324,8 @@ class Trainer:
             self._prepare(self.phase)
             self._eval_and_keep_best()  # step-0 validation loss of the untrained base
         stop = min(cfg.total_steps, cfg.stop_at_step or cfg.total_steps)
-        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", disable=not (cfg.progress and acc.is_main_process))
+        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train",
+                   disable=not (cfg.progress and acc.is_main_process))
         t0, toks = time.perf_counter(), 0
         while self.step < stop:
             if self.phase == "distill" and self.step >= cfg.steps:
@@ -567,19 +353,12 @@ class Trainer:
         if acc.is_main_process:
             write_history(self.history, self.out)
             plot_losses(self.history, self.out / "losses.png")
-            if done and not (self.out / "best").exists() and (self.out / "best_distill").exists() and cfg.qat_steps == 0:
+            fp_only = done and cfg.qat_steps == 0
+            if fp_only and not (self.out / "best").exists() and (self.out / "best_distill").exists():
                 shutil.copytree(self.out / "best_distill", self.out / "best")
         acc.wait_for_everyone()
         return {"step": self.step, "done": done, "best": self.best, "out_dir": str(self.out),
                 "history": self.history}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def run_training(cfg: TrainConfig | dict, accelerator=None) -> dict:
@@ -594,13 +373,9 @@ def main(argv=None):
     ap.add_argument("--config", required=True, help="JSON file with TrainConfig fields")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override fields (JSON values)")
     args = ap.parse_args(argv)
-    d = json.loads(Path(args.config).read_text())
-    for kv in args.set:
-        k, _, v = kv.partition("=")
-        try:
-            d[k] = json.loads(v)
-        except json.JSONDecodeError:
-            d[k] = v
+    from .study import parse_overrides
+
+    d = {**json.loads(Path(args.config).read_text()), **parse_overrides(args.set, ap)}
     res = run_training(TrainConfig.from_dict(d))
     print(json.dumps({k: v for k, v in res.items() if k != "history"}))
 

@@ -21,11 +21,6 @@ def teacher():
     return H.load_default_teacher()
 
 
-@pytest.fixture(scope="module")
-def tiny_bytes():
-    return H.byte_tokenizer()
-
-
 def test_parse_keep():
     assert H.parse_keep("first:3", 10) == [0, 1, 2]
     assert H.parse_keep("last:2", 10) == [8, 9]
@@ -39,8 +34,8 @@ def test_parse_keep():
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_prune_matches_manual_layer_run_and_generates(arch, tiny_bytes):
-    model, tok = H.tiny_random_model(arch, seed=1, tokenizer=tiny_bytes, num_hidden_layers=6)
+def test_prune_matches_manual_layer_run_and_generates(arch, byte_tok):
+    model, tok = H.tiny_random_model(arch, seed=1, tokenizer=byte_tok, num_hidden_layers=6)
     keep = [0, 2, 5]
     pruned, cfg = H.prune_layers(model, keep)
     assert cfg["num_hidden_layers"] == 3 and len(pruned.model.layers) == 3
@@ -74,10 +69,10 @@ def test_prune_matches_manual_layer_run_and_generates(arch, tiny_bytes):
     assert torch.equal(gen, seq)
 
 
-def test_tiny_random_model_deterministic_and_vocab(tiny_bytes):
-    m1, tok = H.tiny_random_model("qwen3", seed=3, tokenizer=tiny_bytes)
-    m2, _ = H.tiny_random_model("qwen3", seed=3, tokenizer=tiny_bytes)
-    m3, _ = H.tiny_random_model("qwen3", seed=4, tokenizer=tiny_bytes)
+def test_tiny_random_model_deterministic_and_vocab(byte_tok):
+    m1, tok = H.tiny_random_model("qwen3", seed=3, tokenizer=byte_tok)
+    m2, _ = H.tiny_random_model("qwen3", seed=3, tokenizer=byte_tok)
+    m3, _ = H.tiny_random_model("qwen3", seed=4, tokenizer=byte_tok)
     sd1, sd2, sd3 = m1.state_dict(), m2.state_dict(), m3.state_dict()
     assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
     assert not all(torch.equal(sd1[k], sd3[k]) for k in sd1)
@@ -86,7 +81,7 @@ def test_tiny_random_model_deterministic_and_vocab(tiny_bytes):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError):
-        H.tiny_random_model("gpt2", tokenizer=tiny_bytes)
+        H.tiny_random_model("gpt2", tokenizer=byte_tok)
 
 
 def test_model_spec_parsing(tmp_path):
@@ -103,9 +98,9 @@ def test_model_spec_parsing(tmp_path):
         assert len(rev) == 40 and int(rev, 16) >= 0
 
 
-def test_hub_path_with_mocked_snapshot(tmp_path, monkeypatch, tiny_bytes):
+def test_hub_path_with_mocked_snapshot(tmp_path, monkeypatch, byte_tok):
     """The hub route, offline: snapshot_download is replaced by a local tiny random Qwen3 checkpoint."""
-    model, tok = H.tiny_random_model("qwen3", seed=5, tokenizer=tiny_bytes, num_hidden_layers=2)
+    model, tok = H.tiny_random_model("qwen3", seed=5, tokenizer=byte_tok, num_hidden_layers=2)
     ckpt = tmp_path / "snap"
     model.save_pretrained(ckpt)
     tok.save_pretrained(ckpt)
@@ -135,8 +130,8 @@ def test_hub_path_with_mocked_snapshot(tmp_path, monkeypatch, tiny_bytes):
     assert l_model.config.num_hidden_layers == 2
 
 
-def test_strip_gguf_marker_allows_save(tmp_path, tiny_bytes):
-    model, _ = H.tiny_random_model("llama", tokenizer=tiny_bytes, num_hidden_layers=1)
+def test_strip_gguf_marker_allows_save(tmp_path, byte_tok):
+    model, _ = H.tiny_random_model("llama", tokenizer=byte_tok, num_hidden_layers=1)
 
     from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
     from transformers.utils.quantization_config import GgufConfig

@@ -183,3 +183,22 @@ def test_reader_does_not_import_transformers():
     code = ("import sys, drafter_lib.model_dir, drafter_lib.quantization; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pack_carries_no_machine_path(tmp_path):
+    """The loader's `_name_or_path` (the packing machine's checkpoint dir) stays out of config.json, and paths in
+    the manifest metadata are stored repository-relative: two packs of the same weights are byte-identical."""
+    from drafter_lib.layout import REPO_ROOT
+
+    docs = []
+    for name in ("a", "b"):
+        ckpt = REPO_ROOT / "runs" / name / "train" / "best"
+        out = write_model_dir(tmp_path / name / "model", {**_config(), "_name_or_path": str(ckpt)}, _state_dict(),
+                              QC, extra_manifest={"checkpoint": ckpt / "model.safetensors"})
+        text = {f: (out / f).read_text() for f in ("config.json", "manifest.json")}
+        assert str(REPO_ROOT) not in text["manifest.json"] and str(tmp_path) not in text["config.json"]
+        assert "_name_or_path" not in json.loads(text["config.json"])
+        assert json.loads(text["manifest.json"])["checkpoint"] == f"runs/{name}/train/best/model.safetensors"
+        docs.append(text)
+    assert docs[0]["config.json"] == docs[1]["config.json"]
+    assert read_model_dir(tmp_path / "a" / "model").config == _config()

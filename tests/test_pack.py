@@ -16,14 +16,6 @@ transformers = pytest.importorskip("transformers")
 QC = QuantConfig.default_for(group_size=32)
 
 
-def _tiny_llama(seed=0, tie=True):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=tie)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
 def _load(packed_sd, config):
     m = transformers.LlamaForCausalLM(config).eval()
     missing, unexpected = m.load_state_dict(packed_sd, strict=False)
@@ -32,8 +24,8 @@ def _load(packed_sd, config):
 
 
 @pytest.fixture(scope="module")
-def packed(tmp_path_factory):
-    model = _tiny_llama()
+def packed(tmp_path_factory, tiny_llama):
+    model = tiny_llama()
     out = pack_checkpoint(model, model.config, tmp_path_factory.mktemp("p") / "model", QC,
                           copy_policy={"enabled": True}, extra_manifest={"training_run": "unit"})
     return model, read_model_dir(out)
@@ -66,8 +58,8 @@ def test_packed_model_equals_fake_quant_model_exactly(packed):
     assert self_["top1_agreement"] == 1.0 and self_["kl_mean"] == 0.0
 
 
-def test_pack_checkpoint_of_fake_quantized_model_and_state_dict(tmp_path):
-    model = _tiny_llama(seed=1)
+def test_pack_checkpoint_of_fake_quantized_model_and_state_dict(tmp_path, tiny_llama):
+    model = tiny_llama(seed=1)
     apply_fake_quant(model, QC)
     a = read_model_dir(pack_checkpoint(model, None, tmp_path / "a", QC))  # config taken from model.config
     remove_fake_quant(model)

@@ -139,17 +139,8 @@ def test_quant_config_spec_for_and_round_trip():
     assert qc2.spec_for("lm_head.weight", lin) is None
 
 
-def _tiny_llama(tie=True, seed=0):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=tie)
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def test_apply_and_remove_fake_quant_on_hf_llama_with_tied_embeddings():
-    model = _tiny_llama(tie=True)
+def test_apply_and_remove_fake_quant_on_hf_llama_with_tied_embeddings(tiny_llama):
+    model = tiny_llama(tie=True)
     ids = torch.randint(0, 96, (2, 10))
     before_sd = {k: v.clone() for k, v in model.state_dict().items()}
     embed = model.model.embed_tokens.weight
@@ -189,8 +180,8 @@ def test_apply_and_remove_fake_quant_on_hf_llama_with_tied_embeddings():
         assert torch.equal(model(ids).logits, ref)
 
 
-def test_apply_fake_quant_rejects_tied_weights_with_different_specs():
-    model = _tiny_llama(tie=True)
+def test_apply_fake_quant_rejects_tied_weights_with_different_specs(tiny_llama):
+    model = tiny_llama(tie=True)
     qc = QuantConfig(QuantSpec(4, 32), [("lm_head.weight", QuantSpec(8, None))])
     with pytest.raises(ValueError, match="tied"):
         apply_fake_quant(model, qc)

@@ -8,6 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from drafter_lib import teacher
+from drafter_lib.model_dir import sha256_file
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,?!\n"
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -104,6 +105,7 @@ def test_kill_and_resume_gives_identical_full_set(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         teacher.generate_targets(recs, model, tok, out, max_new_tokens=8, batch_size=4, backend="hf",
                                  on_batch=crash, progress=False)
+    assert "output" not in json.loads(teacher.meta_path(out).read_text())
     assert len(teacher.read_rows(out)) == 12
     with open(out, "a") as f:  # a write cut off mid-line by the kill
         f.write('{"id": "p999", "category": "ch')
@@ -115,6 +117,9 @@ def test_kill_and_resume_gives_identical_full_set(tmp_path):
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert len(ids) == len(set(ids)) == 23  # no duplicates, no lost rows, no leftover partial line
     assert by_id(out) == by_id(ref)
+    # the finished file's hash is recorded once generation completes (the killed call recorded none)
+    assert json.loads(teacher.meta_path(out).read_text())["output"] == {"file": "run.jsonl", "rows": 23,
+                                                                         "sha256": sha256_file(out)}
 
     # a finished file resumes to a no-op; changed settings are refused
     assert teacher.generate_targets(recs, model, tok, out, max_new_tokens=8, batch_size=4, backend="hf",
@@ -145,5 +150,22 @@ def test_shards_partition_and_merge(tmp_path):
     teacher.generate_targets(recs, model, tok, full, max_new_tokens=6, batch_size=8, backend="hf", progress=False)
     assert by_id(merged) == by_id(full)
     assert "merged_from" in json.loads(teacher.meta_path(merged).read_text())
+    mmeta = json.loads(teacher.meta_path(merged).read_text())
+    assert mmeta["output"] == {"file": "all.jsonl", "rows": 20, "sha256": sha256_file(merged)}
+    assert not any(str(tmp_path) in p for p in mmeta["merged_from"])  # no machine paths in the record
     with pytest.raises(ValueError, match="shard_index"):
         teacher.select_shard(recs, 3, 3)
+
+
+def test_meta_records_no_machine_path(tmp_path):
+    """A teacher loaded from a local dir is recorded by a repository-relative id, never this machine's path."""
+    from drafter_lib.layout import REPO_ROOT
+
+    model, tok = tiny_model(), tiny_tokenizer()
+    model.config._name_or_path = str(REPO_ROOT / "runs" / "x" / "tiny_llama")  # what from_pretrained(dir) sets
+    out = tmp_path / "t.jsonl"
+    teacher.generate_targets(records(3), model, tok, out, max_new_tokens=4, backend="hf", progress=False)
+    text = teacher.meta_path(out).read_text()
+    assert json.loads(text)["teacher"]["id"] == "runs/x/tiny_llama"
+    assert str(REPO_ROOT) not in text and str(tmp_path) not in text
+    assert teacher.portable_model_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"

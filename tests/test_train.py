@@ -1,4 +1,5 @@
 """Drafter training: loss mask, learning, exact resume, QAT weights that pack exactly, 2-process DDP."""
+import dataclasses
 import json
 import os
 import socket
@@ -13,20 +14,18 @@ from safetensors.torch import load_file
 from drafter_lib import train
 from drafter_lib.train import IGNORE, TrainConfig
 
+INT8_ROWS = {"bits": 8, "group_size": None, "scale_dtype": "float16"}
 QUANT = {"default": {"bits": 4, "group_size": 32, "scale_dtype": "float16"},
-         "overrides": [{"pattern": "model.embed_tokens.weight", "spec": {"bits": 8, "group_size": None, "scale_dtype": "float16"}},
-                       {"pattern": "lm_head.weight", "spec": {"bits": 8, "group_size": None, "scale_dtype": "float16"}}]}
+         "overrides": [{"pattern": "model.embed_tokens.weight", "spec": INT8_ROWS},
+                       {"pattern": "lm_head.weight", "spec": INT8_ROWS}]}
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def workdir(tmp_path_factory, tiny_random):
     """A tiny random Llama (saved as an HF dir with its tokenizer) and a tiny repetitive teacher-target file."""
-    from drafter_lib.hf_models import tiny_random_model
-
     d = tmp_path_factory.mktemp("train")
-    model, tok = tiny_random_model("llama", tokenizer="bytes", hidden_size=32, num_hidden_layers=3,
-                                   num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
-                                   max_position_embeddings=128)
+    model, tok = tiny_random("llama", hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
     model.save_pretrained(d / "base")
     tok.save_pretrained(d / "base")
     g = torch.Generator().manual_seed(0)
@@ -90,6 +89,12 @@ def test_loss_decreases_and_outputs(workdir, tmp_path):
     info = json.loads((out / "best" / "train_info.json").read_text())
     assert info["phase"] == "qat" and info["val_loss"] == res["best"]["qat"]
     assert json.loads((out / "best" / "config.json").read_text())["num_hidden_layers"] == 2
+    # the config record holds paths relative to out_dir, none of this machine's
+    text = (out / "train_config.json").read_text()
+    assert str(tmp_path) not in text and str(workdir) not in text
+    tc = json.loads(text)
+    assert tc["out_dir"] == "." and (out / tc["train_path"]).resolve() == (workdir / "targets.jsonl").resolve()
+    assert (out / tc["base_model"]).resolve() == (workdir / "base").resolve()
 
 
 def _final_weights(out):
@@ -159,7 +164,7 @@ def _free_port() -> int:
 def test_two_process_cpu_run_matches_single_process(workdir, tmp_path):
     """2 CPU processes (torchrun, gloo DDP through accelerate) == 1 process with grad_accum=2 (same global batches)."""
     cfg = cfg_for(workdir, tmp_path / "ddp", steps=3, qat_steps=2, ckpt_every=100, eval_every=100, num_threads=1)
-    (tmp_path / "cfg.json").write_text(json.dumps(train.asdict(cfg)))
+    (tmp_path / "cfg.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(train.__file__).parents[1])}
     # torchrun (gloo) rather than `accelerate launch --cpu`, which only runs several CPU processes through mpirun
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),

@@ -1,0 +1,102 @@
+"""Training data for the drafter: teacher target rows -> examples, the held-out split, padded batches with
+continuation-only targets, and the deterministic micro-batch stream (a pure function of seed and data position,
+which is what makes resume and multi-process runs reproduce a single-process run exactly)."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+IGNORE = -100
+
+__all__ = ["IGNORE", "Example", "load_examples", "split_val", "target_ids", "collate", "epoch_batches",
+           "BatchStream"]
+
+
+@dataclass
+class Example:
+    id: str
+    ids: list[int]       # prompt + continuation (truncated)
+    prompt_len: int
+
+
+def load_examples(path: str | os.PathLike, max_seq_len: int) -> list[Example]:
+    """Teacher target rows -> examples; rows with no continuation token left after truncation are dropped."""
+    from drafter_lib.teacher import read_rows
+
+    out = []
+    for row in read_rows(path):
+        ids = (list(row["prompt_ids"]) + list(row["continuation_ids"]))[:max_seq_len]
+        if len(ids) > len(row["prompt_ids"]):
+            out.append(Example(str(row["id"]), ids, len(row["prompt_ids"])))
+    if not out:
+        raise ValueError(f"{path}: no usable rows (empty file or every prompt longer than max_seq_len={max_seq_len})")
+    return out
+
+
+def split_val(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
+    """Held-out split by stable id hash (same split on every machine and every run)."""
+    from drafter_lib.teacher import shard_of
+
+    if fraction <= 0:
+        return examples, []
+    val = [e for e in examples if shard_of("val:" + e.id, 10_000) < fraction * 10_000]
+    vids = {e.id for e in val}
+    return [e for e in examples if e.id not in vids], val
+
+
+def target_ids(ids: Sequence[int], prompt_len: int) -> list[int]:
+    """Next-token targets for each input position: ids[t+1] where t+1 is a continuation token, else IGNORE."""
+    return [ids[t + 1] if t + 1 >= prompt_len else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
+
+
+def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask, targets (IGNORE on prompt, last and pad positions)."""
+    T = max(len(e.ids) for e in examples)
+    inp = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    att = torch.zeros((len(examples), T), dtype=torch.long)
+    tgt = torch.full((len(examples), T), IGNORE, dtype=torch.long)
+    for i, e in enumerate(examples):
+        n = len(e.ids)
+        inp[i, :n] = torch.tensor(e.ids)
+        att[i, :n] = 1
+        tgt[i, :n] = torch.tensor(target_ids(e.ids, e.prompt_len))
+    return {"input_ids": inp, "attention_mask": att, "targets": tgt}
+
+
+def epoch_batches(lengths: Sequence[int], batch_size: int, bucket_batches: int, seed: int,
+                  epoch: int) -> list[list[int]]:
+    """One epoch's micro-batches (example indices): shuffle, sort by length inside windows of `bucket_batches`
+    batches so a batch holds similar lengths, shuffle the batch order. Pure function of (seed, epoch)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(len(lengths), generator=g).tolist()
+    win = batch_size * bucket_batches
+    batches = []
+    for s in range(0, len(perm), win):
+        chunk = sorted(perm[s:s + win], key=lambda i: lengths[i])
+        batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+    order = torch.randperm(len(batches), generator=g).tolist()
+    return [batches[i] for i in order]
+
+
+class BatchStream:
+    """Micro-batch number p (0, 1, 2, ... across epochs) -> example indices; the data position is just p.
+
+    `cfg` is anything with batch_size, bucket_batches and seed (a TrainConfig)."""
+
+    def __init__(self, examples: list[Example], cfg):
+        self.lengths = [len(e.ids) for e in examples]
+        self.cfg = cfg
+        self._cache: dict[int, list[list[int]]] = {}
+
+    def epoch(self, e: int) -> list[list[int]]:
+        if e not in self._cache:
+            self._cache = {e: epoch_batches(self.lengths, self.cfg.batch_size, self.cfg.bucket_batches,
+                                            self.cfg.seed, e)}
+        return self._cache[e]
+
+    def __getitem__(self, p: int) -> list[int]:
+        n = len(self.epoch(0))
+        return self.epoch(p // n)[p % n]

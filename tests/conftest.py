@@ -1,0 +1,42 @@
+"""Tiny test models and tokenizers shared by the test files: offline, seeded, built in milliseconds."""
+import pytest
+import torch
+
+# The tiny Llama the quantization and packing tests share: group sizes 32/64 divide its 64/128 dims.
+TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+
+
+def make_tiny_llama(seed: int = 0, tie: bool = True, **config):
+    """A random LlamaForCausalLM (TINY_LLAMA dims, `config` overrides them) in eval mode, seeded."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**{**TINY_LLAMA, "tie_word_embeddings": tie, **config})
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    """Factory: tiny_llama(seed=0, tie=True, **config) -> a fresh random tiny HF Llama."""
+    return make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def byte_tok():
+    """The offline byte-level tokenizer with a ChatML template (vocab 259)."""
+    from drafter_lib.hf_models import byte_tokenizer
+
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_random():
+    """Factory over hf_models.tiny_random_model with the byte tokenizer unless told otherwise: (model, tokenizer)."""
+    from drafter_lib.hf_models import tiny_random_model
+
+    def make(arch: str = "llama", **kw):
+        kw.setdefault("tokenizer", "bytes")
+        return tiny_random_model(arch, **kw)
+
+    return make

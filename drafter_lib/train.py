@@ -34,6 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from drafter_lib.layout import TrainLayout
+
 IGNORE = -100
 CKPT_DIR = "checkpoints"
 
@@ -110,7 +112,8 @@ class TrainConfig:
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.steps < 0 or self.qat_steps < 0 or self.total_steps < 1:
-            raise ValueError(f"need steps >= 0, qat_steps >= 0 and at least one step (got {self.steps}, {self.qat_steps})")
+            raise ValueError(f"need steps >= 0, qat_steps >= 0 and at least one step "
+                             f"(got {self.steps}, {self.qat_steps})")
 
 
 # ---------------------------------------------------------------- data
@@ -166,7 +169,8 @@ def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Ten
     return {"input_ids": inp, "attention_mask": att, "targets": tgt}
 
 
-def epoch_batches(lengths: Sequence[int], batch_size: int, bucket_batches: int, seed: int, epoch: int) -> list[list[int]]:
+def epoch_batches(lengths: Sequence[int], batch_size: int, bucket_batches: int, seed: int,
+                  epoch: int) -> list[list[int]]:
     """One epoch's micro-batches (example indices): shuffle, sort by length inside windows of `bucket_batches`
     batches so a batch holds similar lengths, shuffle the batch order. Pure function of (seed, epoch)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
@@ -286,7 +290,7 @@ def save_hf(model: nn.Module, tokenizer, path: Path, extra: dict | None = None):
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if extra is not None:
-        (tmp / "train_info.json").write_text(json.dumps(extra, indent=2))
+        TrainLayout.info(tmp).write_text(json.dumps(extra, indent=2))
     old = path.with_name(path.name + ".old")
     if path.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -318,15 +322,17 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
 # ---------------------------------------------------------------- history and plot
 
 def write_history(history: list[dict], out_dir: Path):
-    tmp = out_dir / "history.json.tmp"
+    paths = TrainLayout(Path(out_dir))
+    tmp = paths.history.with_name(paths.history.name + ".tmp")
     tmp.write_text(json.dumps(history, indent=1))
-    os.replace(tmp, out_dir / "history.json")
+    os.replace(tmp, paths.history)
     keys = ["step", "phase", "kind", "loss", "lr", "tokens_per_s", "grad_norm"]
-    with open(out_dir / "history.csv.tmp", "w", newline="") as f:
+    tmp = paths.history_csv.with_name(paths.history_csv.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(history)
-    os.replace(out_dir / "history.csv.tmp", out_dir / "history.csv")
+    os.replace(tmp, paths.history_csv)
 
 
 def plot_losses(history: list[dict], path: str | os.PathLike, title: str = "drafter training") -> Path:
@@ -371,9 +377,10 @@ class Trainer:
         self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision,
                                               cpu=not torch.cuda.is_available())
         self.out = Path(cfg.out_dir)
+        self.paths = TrainLayout(self.out)
         if self.acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
-            (self.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+            self.paths.config.write_text(json.dumps(asdict(cfg), indent=2))
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -408,9 +415,9 @@ class Trainer:
         self.phase = phase
 
     def _enter_qat(self):
-        if self.cfg.qat_init == "best" and (self.out / "best_distill").exists():
+        if self.cfg.qat_init == "best" and self.paths.best_distill.exists():
             from transformers import AutoModelForCausalLM
-            best = AutoModelForCausalLM.from_pretrained(self.out / "best_distill", dtype=torch.float32)
+            best = AutoModelForCausalLM.from_pretrained(self.paths.best_distill, dtype=torch.float32)
             self.model.load_state_dict(best.state_dict())
         self._prepare("qat")
 
@@ -519,11 +526,10 @@ class Trainer:
         if not math.isnan(val) and val < self.best[self.phase]:
             self.best[self.phase] = val
             if self.acc.is_main_process:
-                name = "best_distill" if self.phase == "distill" else "best"
-                save_hf(self.model, self.tok, self.out / name,
-                        {"step": self.step, "phase": self.phase, "val_loss": val})
+                dest = self.paths.best_distill if self.phase == "distill" else self.paths.best
+                save_hf(self.model, self.tok, dest, {"step": self.step, "phase": self.phase, "val_loss": val})
                 if self.phase == "qat":
-                    (self.out / name / "qat_quant_config.json").write_text(
+                    self.paths.qat_quant_config.write_text(
                         json.dumps(quant_config(self.cfg).to_dict(), indent=2))
             self.acc.wait_for_everyone()
         return val
@@ -539,7 +545,8 @@ class Trainer:
             self._prepare(self.phase)
             self._eval_and_keep_best()  # step-0 validation loss of the untrained base
         stop = min(cfg.total_steps, cfg.stop_at_step or cfg.total_steps)
-        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train", disable=not (cfg.progress and acc.is_main_process))
+        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train",
+                   disable=not (cfg.progress and acc.is_main_process))
         t0, toks = time.perf_counter(), 0
         while self.step < stop:
             if self.phase == "distill" and self.step >= cfg.steps:
@@ -566,9 +573,10 @@ class Trainer:
         done = self.step >= cfg.total_steps
         if acc.is_main_process:
             write_history(self.history, self.out)
-            plot_losses(self.history, self.out / "losses.png")
-            if done and not (self.out / "best").exists() and (self.out / "best_distill").exists() and cfg.qat_steps == 0:
-                shutil.copytree(self.out / "best_distill", self.out / "best")
+            plot_losses(self.history, self.paths.losses_plot)
+            best, best_distill = self.paths.best, self.paths.best_distill
+            if done and not best.exists() and best_distill.exists() and cfg.qat_steps == 0:
+                shutil.copytree(best_distill, best)
         acc.wait_for_everyone()
         return {"step": self.step, "done": done, "best": self.best, "out_dir": str(self.out),
                 "history": self.history}

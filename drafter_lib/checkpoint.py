@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from .io_utils import atomic_write_text, write_json
+from .layout import TrainLayout
 
 CKPT_DIR = "checkpoints"
 HISTORY_KEYS = ["step", "phase", "kind", "loss", "lr", "tokens_per_s", "grad_norm"]
@@ -99,7 +100,7 @@ def save_hf(model: nn.Module, tokenizer, path: Path, extra: dict | None = None):
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     if extra is not None:
-        write_json(tmp / "train_info.json", extra)
+        write_json(TrainLayout.info(tmp), extra)
     old = path.with_name(path.name + ".old")
     if path.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -111,9 +112,10 @@ def save_hf(model: nn.Module, tokenizer, path: Path, extra: dict | None = None):
 def write_history(history: list[dict], out_dir: Path):
     """history.json (every record) and history.csv (the common columns), both atomically."""
     out_dir = Path(out_dir)
-    write_json(out_dir / "history.json", history, indent=1)
+    paths = TrainLayout(Path(out_dir))
+    write_json(paths.history, history, indent=1)
     buf = io.StringIO(newline="")
     w = csv.DictWriter(buf, HISTORY_KEYS, extrasaction="ignore")
     w.writeheader()
     w.writerows(history)
-    atomic_write_text(out_dir / "history.csv", buf.getvalue())
+    atomic_write_text(paths.history_csv, buf.getvalue())

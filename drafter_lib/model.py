@@ -47,7 +47,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> ModelConfig:
-        """Build from a HF `config.json` dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x `rope_parameters`)."""
+        """Build from a HF `config.json` dict (transformers 4.x `rope_theta`/`rope_scaling`, 5.x `rope_parameters`)."""
         mt = d.get("model_type")
         if mt not in SUPPORTED_ARCHS:
             raise ValueError(f"unsupported model_type {mt!r}; expected one of {SUPPORTED_ARCHS}")
@@ -391,7 +391,8 @@ class Transformer(nn.Module):
                last_only: bool = False) -> torch.Tensor:
         """The final-norm hidden states [B,T,H] ([B,1,H] if last_only) that `forward` feeds to lm_head."""
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} must be equal [B,T]")
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
+                             "must be equal [B,T]")
         m = self.model
         B, T = input_ids.shape
         x = m.embed_tokens(input_ids)

@@ -1,9 +1,11 @@
-"""Study-side packing helpers (04_pack): pack a checkpoint, measure what quantization cost, plot it."""
+"""Study-side packing helpers (04_pack): pack a checkpoint, check the pack is exactly what QAT trained, measure
+what quantization cost, plot it, publish the pack."""
 from __future__ import annotations
 
 import json
 import math
 import re
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -12,9 +14,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import quantization as Q
-from .model_dir import write_model_dir
+from .model_dir import read_model_dir, write_model_dir
 
-__all__ = ["pack_checkpoint", "weight_error_table", "logit_agreement", "plot_weight_error", "plot_logit_agreement"]
+__all__ = ["pack_checkpoint", "verify_pack", "publish", "weight_error_table", "logit_agreement", "plot_weight_error",
+           "plot_logit_agreement"]
 
 
 def _config_dict(hf_config, model=None) -> dict:
@@ -43,6 +46,57 @@ def pack_checkpoint(hf_model_or_state_dict, hf_config, out_dir, qconfig, copy_po
         raise ValueError(f"expected an nn.Module or a state dict, got {type(hf_model_or_state_dict).__name__}")
     return write_model_dir(out_dir, _config_dict(hf_config, model), state_dict, qconfig, copy_policy,
                            extra_manifest)
+
+
+def _load_hf(path) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def verify_pack(checkpoint_dir, model_dir, qconfig, rows: list[dict], distilled_dir=None, logit_rows: int = 8,
+                draft_rows: int = 4, draft_k: int = 8) -> dict:
+    """Check a pack against the checkpoint it was packed from.
+
+    - packed_equals_fake_quant: every quantized tensor restored from the pack equals, bit for bit, the fake-quant
+      weight QAT trained with (the checkpoint with `qconfig`'s fake quantization applied);
+    - engine_drafts_match_fake_quant: per row, the engine (which reads only the model dir) drafts `draft_k` tokens
+      equal to the fake-quant model's greedy tokens for the row's prompt;
+    - logit_agreement: KL / top-1 agreement of the latent fp checkpoint (and `distilled_dir`, if given) vs the
+      fake-quant model on prompt + continuation of `rows` (teacher target rows).
+    """
+    from .engine import DraftEngine
+    from .speculative import greedy_decode
+
+    model, fq = _load_hf(checkpoint_dir), _load_hf(checkpoint_dir)
+    Q.apply_fake_quant(fq, qconfig)
+    packed = read_model_dir(model_dir)
+    exact = all(torch.equal(getattr(fq.get_submodule(n.rsplit(".", 1)[0]), n.rsplit(".", 1)[1]), t)
+                for n, t in packed.state_dict.items() if qconfig.spec_for(n, t) is not None)
+    batches = [torch.tensor([r["prompt_ids"] + r["continuation_ids"]]) for r in rows[:logit_rows]]
+    packed_fwd = lambda x: fq(x).logits
+    agree = {"QAT latent fp vs packed": logit_agreement(lambda x: model(x).logits, packed_fwd, batches)}
+    if distilled_dir is not None:
+        distilled = _load_hf(distilled_dir)
+        agree["distilled fp vs packed"] = logit_agreement(lambda x: distilled(x).logits, packed_fwd, batches)
+    engine = DraftEngine(model_dir, dtype="float32", copy_policy={"enabled": False})
+    # plain greedy with no stop tokens: the engine has none
+    match = [engine.draft(r["prompt_ids"], draft_k) == greedy_decode(fq, r["prompt_ids"], draft_k)
+             for r in rows[:draft_rows]]
+    return {"packed_equals_fake_quant": exact, "engine_drafts_match_fake_quant": match, "logit_agreement": agree}
+
+
+def publish(model_dir, dest) -> Path:
+    """Copy a pack (e.g. a run's model/) to `dest` (e.g. the repository's model/, what serve.sh serves) and read
+    the copy back, which checks the sha256 of every file. Returns dest."""
+    src, dest = Path(model_dir), Path(dest)
+    read_model_dir(src)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        shutil.copy2(f, dest / f.name)
+    read_model_dir(dest)
+    return dest
 
 
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")

@@ -53,6 +53,7 @@ __all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "bu
            "IGNORE", "CKPT_DIR", "Example", "BatchStream", "collate", "epoch_batches", "load_examples", "split_val",
            "target_ids", "LossModule", "lr_lambda", "make_optimizer", "teacher_target_logits", "latest_checkpoint",
            "save_hf", "write_history", "plot_losses"]
+from .layout import TrainLayout
 
 
 @dataclass
@@ -174,9 +175,10 @@ class Trainer:
         self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision,
                                               cpu=not torch.cuda.is_available())
         self.out = Path(cfg.out_dir)
+        self.paths = TrainLayout(self.out)
         if self.acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
-            write_json(self.out / "train_config.json", portable_config(cfg))
+            write_json(self.paths.config, portable_config(cfg))
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
@@ -211,9 +213,9 @@ class Trainer:
         self.phase = phase
 
     def _enter_qat(self):
-        if self.cfg.qat_init == "best" and (self.out / "best_distill").exists():
+        if self.cfg.qat_init == "best" and self.paths.best_distill.exists():
             from transformers import AutoModelForCausalLM
-            best = AutoModelForCausalLM.from_pretrained(self.out / "best_distill", dtype=torch.float32)
+            best = AutoModelForCausalLM.from_pretrained(self.paths.best_distill, dtype=torch.float32)
             self.model.load_state_dict(best.state_dict())
         self._prepare("qat")
 
@@ -305,11 +307,10 @@ class Trainer:
         if not math.isnan(val) and val < self.best[self.phase]:
             self.best[self.phase] = val
             if self.acc.is_main_process:
-                name = "best_distill" if self.phase == "distill" else "best"
-                save_hf(self.model, self.tok, self.out / name,
-                        {"step": self.step, "phase": self.phase, "val_loss": val})
+                dest = self.paths.best_distill if self.phase == "distill" else self.paths.best
+                save_hf(self.model, self.tok, dest, {"step": self.step, "phase": self.phase, "val_loss": val})
                 if self.phase == "qat":
-                    write_json(self.out / name / "qat_quant_config.json", quant_config(self.cfg).to_dict())
+                    write_json(self.paths.qat_quant_config, quant_config(self.cfg).to_dict())
             self.acc.wait_for_everyone()
         return val
 
@@ -352,10 +353,10 @@ class Trainer:
         done = self.step >= cfg.total_steps
         if acc.is_main_process:
             write_history(self.history, self.out)
-            plot_losses(self.history, self.out / "losses.png")
-            fp_only = done and cfg.qat_steps == 0
-            if fp_only and not (self.out / "best").exists() and (self.out / "best_distill").exists():
-                shutil.copytree(self.out / "best_distill", self.out / "best")
+            plot_losses(self.history, self.paths.losses_plot)
+            best, best_distill = self.paths.best, self.paths.best_distill
+            if done and not best.exists() and best_distill.exists() and cfg.qat_steps == 0:
+                shutil.copytree(best_distill, best)
         acc.wait_for_everyone()
         return {"step": self.step, "done": done, "best": self.best, "out_dir": str(self.out),
                 "history": self.history}

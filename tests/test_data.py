@@ -140,6 +140,11 @@ def test_build_prompt_set_and_architecture(tmp_path, tok):
     files = {f["file"]: f for f in doc["prompt_files"]}
     for name in ("train.jsonl", "heldout.jsonl"):
         assert files[name]["sha256"] == D.sha256_file(tmp_path / "run" / name)
+        # recorded relative to architecture.json's folder: no machine path in a committed record
+        assert files[name]["path"] == f"run/{name}"
+        assert s["files"][name]["path"] == name  # prompts_summary.json: relative to the data folder
+    assert str(tmp_path) not in arch.read_text() and str(tmp_path) not in (tmp_path / "run" / "prompts_summary.json"
+                                                                           ).read_text()
     corp = {c["name"]: c for c in doc["corpora"]}
     assert corp["synthetic"]["seed"] == 3 and corp["extra"]["input_sha256"] == D.sha256_file(extra)
     assert corp["extra"]["counts"]["train"] == 100
@@ -191,3 +196,15 @@ def test_hf_dataset_pinned_train_only(monkeypatch):
         D.load_hf_dataset("org/chat", "a" * 40, split="test")
     with pytest.raises(ValueError, match="pinned revision"):
         D.load_hf_dataset("org/chat", None)
+
+
+def test_local_model_record_is_relative(tmp_path):
+    run = tmp_path / "run"
+    model, tok = H.tiny_random_model("llama", tokenizer="bytes", num_hidden_layers=1)
+    model.save_pretrained(run / "tiny_llama")
+    rec = H.model_record(str(run / "tiny_llama"), role="teacher", relative_to=run)
+    assert rec["name"] == "tiny_llama" and rec["path"] == "tiny_llama" and rec["source"] == "local"
+    assert rec["config_sha256"] == D.sha256_file(run / "tiny_llama" / "config.json")
+    outside = H.model_record(str(run / "tiny_llama"))  # outside the repository: no absolute path either
+    assert not outside["path"].startswith("/")
+

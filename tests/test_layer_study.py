@@ -5,10 +5,14 @@ import json
 import pytest
 import torch
 
+from drafter_lib import config as C
 from drafter_lib import evaluate as ev
-from drafter_lib import hf_models, study
+from drafter_lib import hf_models, stages
 from drafter_lib import layer_study as LS
 from drafter_lib import train as T
+from drafter_lib.acceptance import simulate
+from drafter_lib.baselines import engine_from_state_dict
+from drafter_lib.layout import LayerStudyLayout, RunLayout
 from drafter_lib.teacher import encode_chat
 
 TOPICS = ["apples", "rivers", "sorting lists", "prime numbers", "the moon", "tea", "bridges", "chess", "rain",
@@ -22,15 +26,16 @@ def _write_jsonl(path, rows):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """runs/<name>/ as stages 01-02 leave it: study_params.json, data/heldout.jsonl, teacher/targets.jsonl."""
+    """runs/<name>/ as stages 01-02 leave it: study_config.json, data/heldout.jsonl, teacher/targets.jsonl."""
     torch.set_num_threads(1)
     run = tmp_path_factory.mktemp("run")
-    params = {"teacher": "tiny-random:llama", "drafter_base": None, "num_threads": 1, "seed": 0,
-              "eval_max_new_tokens": 10, "group_by": "category", "teacher_backend": "auto",
-              "train": {"batch_size": 4, "max_seq_len": 128, "lr": 3e-3, "warmup_steps": 2, "val_fraction": 0.25,
-                        "max_eval_batches": 2, "log_every": 2, "eval_every": 100, "ckpt_every": 100}}
-    (run / "study_params.json").write_text(json.dumps(params))
-    spec = study.resolve_model(params["teacher"], run)  # the smoke preset's tiny teacher, saved under run/
+    cfg = C.build_config("smoke", {
+        "teacher": "tiny-random:llama", "drafter_base": None, "num_threads": 1, "seed": 0,
+        "eval_max_new_tokens": 10, "group_by": "category", "teacher_backend": "auto",
+        "train": {"batch_size": 4, "max_seq_len": 128, "lr": 3e-3, "warmup_steps": 2, "val_fraction": 0.25,
+                  "max_eval_batches": 2, "log_every": 2, "eval_every": 100, "ckpt_every": 100}})
+    C.save_run_config(RunLayout.of(run), cfg)
+    spec = stages.resolve_model(cfg.study.teacher, RunLayout.of(run))  # the smoke teacher, saved under run/
     model, tok = hf_models.load_teacher(spec)
     msgs = [[{"role": "user", "content": f"Tell me about {t}, part {i}."}] for i in range(3) for t in TOPICS]
     prompts = [encode_chat(tok, m) for m in msgs]
@@ -61,9 +66,10 @@ def test_layer_study_rows_resume_and_plot(tiny_run, tmp_path, monkeypatch):
             assert 1.0 <= r[key] <= 1.0 + r["k"]
         assert r["val_curve"][0][0] == 0 and r["val_curve"][-1][0] == 6
         assert r["untrained_val_loss"] == r["val_curve"][0][1]
-        # weights are dropped after measuring (disk), history stays
-        assert not (LS.Path(r["run_dir"]) / "checkpoints").exists()
-        assert (LS.Path(r["run_dir"]) / "history.json").is_file()
+        # weights are dropped after measuring (disk), history stays; run_dir is relative to the study's folder
+        assert (out / r["run_dir"]).is_dir() and not LS.Path(r["run_dir"]).is_absolute()
+        assert not (out / r["run_dir"] / "checkpoints").exists()
+        assert (out / r["run_dir"] / "history.json").is_file()
     half, full = rows[0], rows[1]
     assert half["train_rows"] < full["train_rows"]
     # same variant, same untrained model and val set: identical untrained numbers across fractions
@@ -72,13 +78,13 @@ def test_layer_study_rows_resume_and_plot(tiny_run, tmp_path, monkeypatch):
     assert full["trained_val_loss"] < full["untrained_val_loss"]  # 6 steps do learn the teacher's continuations
 
     # the untrained MAL is evaluate.simulate on the pruned base against the target's greedy references
-    spec = study.resolve_model("tiny-random:llama", tiny_run)
+    spec = stages.resolve_model("tiny-random:llama", RunLayout.of(tiny_run))
     base, tok = hf_models.load_teacher(spec)
     pruned, cfg = hf_models.prune_layers(base, [0, 3])
     records = ev.load_eval_prompts(tiny_run / "data" / "heldout.jsonl", 3)
     prompts = ev.encode_records(tok, records)
     refs = ev.greedy_references(base, tok, prompts, 10)
-    sim = ev.simulate(ev.engine_from_state_dict(cfg, pruned.state_dict()), prompts, refs, k=4)
+    sim = simulate(engine_from_state_dict(cfg, pruned.state_dict()), prompts, refs, k=4)
     assert rows[2]["untrained_mal"] == pytest.approx(sim.overall.mean_acceptance_length)
     assert (out / "references.jsonl").is_file()
 
@@ -95,8 +101,9 @@ def test_layer_study_rows_resume_and_plot(tiny_run, tmp_path, monkeypatch):
     (tiny_run / "eval").mkdir(exist_ok=True)
     (tiny_run / "eval" / "references.jsonl").write_text((out / "references.jsonl").read_text())
     monkeypatch.setattr(hf_models, "load_teacher", boom)
-    p2, r2, g2 = LS.load_references(tiny_run, tmp_path / "fresh", spec, json.loads(
-        (tiny_run / "study_params.json").read_text()), 3, 10)
+    run = RunLayout.of(tiny_run)
+    p2, r2, g2 = LS.load_references(run, LayerStudyLayout(tmp_path / "fresh"), spec, LS.read_study_config(run), 3,
+                                    10)
     assert (p2, r2) == (prompts, refs) and g2 == ["a", "b", "a"]
 
     png = LS.plot_layer_study(rows, out / "layer_study.png")

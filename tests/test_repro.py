@@ -139,19 +139,13 @@ def test_file_corpora_and_model_dirs(tmp_path):
 
 # ------------------------------------------------------------------------------------------------ no machine paths
 
-MACHINE_PATHS_OWNED_ELSEWHERE = {
-    # written by data.write_architecture / hf_models.model_record (prompt-file paths, local model dirs)
-    "architecture.json": "data.write_architecture / hf_models.model_record record absolute paths (fix pending)",
-    # 05_eval writes metrics["target"] = the resolved teacher spec, a local dir for the smoke preset
-    "metrics.json": "05_eval sets metrics['target'] to the resolved (absolute) teacher dir (fix pending)",
-}
 ARTIFACTS = ["architecture.json", "teacher/targets.jsonl.meta.json", "model/manifest.json", "model/config.json",
-             "metrics.json", "pack_report.json", "train/train_config.json", "train/best/train_info.json",
-             "train/best/config.json", "train/best/qat_quant_config.json"]
+             "metrics.json", "eval/metrics.json", "pack_report.json", "train/train_config.json",
+             "train/best/train_info.json", "train/best/config.json", "train/best/qat_quant_config.json",
+             "data/prompts_summary.json", "study_config.json", ".stages/01_data.json", ".stages/05_eval.json"]
 
 
-@pytest.mark.parametrize("rel", [pytest.param(r, marks=pytest.mark.xfail(reason=MACHINE_PATHS_OWNED_ELSEWHERE[r]))
-                                 if r in MACHINE_PATHS_OWNED_ELSEWHERE else r for r in ARTIFACTS])
+@pytest.mark.parametrize("rel", ARTIFACTS)
 def test_no_machine_paths_in_artifacts(smoke_a, rel):
     text = (smoke_a / rel).read_text()
     needles = {str(REPO_ROOT), str(SHARED_DATA_DEFAULT), str(smoke_a.parent), str(Path.home()),

@@ -40,3 +40,12 @@ def tiny_random():
         return tiny_random_model(arch, **kw)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    """(model, byte tokenizer): a tiny random Llama target for speculative-decoding and evaluation tests. Tests
+    must not change its weights."""
+    from drafter_lib.hf_models import tiny_random_model
+
+    return tiny_random_model("llama", tokenizer="bytes", hidden_size=32, num_hidden_layers=2, seed=3)

@@ -43,14 +43,6 @@ def test_baselines_table_lists_every_drafter():
     assert "perfect" in table and "none" in table and "MAL[x]" in table
 
 
-@pytest.fixture(scope="module")
-def tiny_target():
-    from drafter_lib.hf_models import tiny_random_model
-
-    model, tok = tiny_random_model("llama", tokenizer="bytes", hidden_size=32, num_hidden_layers=2, seed=3)
-    return model, tok
-
-
 def test_end_to_end_is_lossless(tiny_target):
     model, tok = tiny_target
     prompts = [list(tok.encode("hello world, hello world")), list(tok.encode("abc abc abc"))]

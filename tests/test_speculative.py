@@ -37,14 +37,6 @@ def test_mean_acceptance_length():
     assert mean_acceptance_length(0, 0) != mean_acceptance_length(0, 0)  # NaN without steps
 
 
-@pytest.fixture(scope="module")
-def tiny_target():
-    from drafter_lib.hf_models import tiny_random_model
-
-    model, tok = tiny_random_model("llama", tokenizer="bytes", hidden_size=32, num_hidden_layers=2, seed=3)
-    return model, tok
-
-
 def test_speculative_decoding_is_lossless(tiny_target):
     model, tok = tiny_target
     prompts = [list(tok.encode("hello world, hello world")), list(tok.encode("abc abc abc"))]

@@ -43,6 +43,7 @@ class ModelConfig:
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    draft_vocab_size: int | None = None  # a reduced output head (see draft_vocab.py); None = full vocabulary
     extra: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -90,10 +91,16 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            draft_vocab_size=(d.get("draft_vocab") or {}).get("size"),
         )
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+
+    @property
+    def head_size(self) -> int:
+        """Rows of lm_head: the draft vocabulary's size, or the full vocabulary."""
+        return self.draft_vocab_size or self.vocab_size
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -353,7 +360,14 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = _Body(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.head_size, bias=False)
+        if cfg.draft_vocab_size:
+            if cfg.tie_word_embeddings:
+                raise ValueError("a reduced draft-vocabulary head cannot be tied to the full embedding")
+            # head row i predicts full-vocabulary id draft_vocab_ids[i] (loaded with the weights)
+            self.register_buffer("draft_vocab_ids", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_vocab_ids = None
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -375,12 +389,17 @@ class Transformer(nn.Module):
         if missing or unexpected:
             raise ValueError(f"state dict mismatch: missing={missing[:5]} unexpected={unexpected[:5]}")
 
+    def full_ids(self, head_index: torch.Tensor) -> torch.Tensor:
+        """lm_head row indices (e.g. an argmax over the logits) -> full-vocabulary token ids."""
+        return head_index if self.draft_vocab_ids is None else self.draft_vocab_ids[head_index]
+
     def new_cache(self, batch: int, capacity: int, dtype=torch.float32) -> KVCache:
         return KVCache.for_model(self.config, batch, capacity, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                 last_only: bool = False) -> torch.Tensor:
-        """input_ids, positions: [B,T] long. Returns float32 logits [B,T,V] ([B,1,V] if last_only).
+        """input_ids, positions: [B,T] long. Returns float32 logits [B,T,V] ([B,1,V] if last_only); V is the
+        head's size, so with a draft vocabulary map argmax indices through `full_ids`.
 
         Without a cache the T tokens attend only to each other (by position). With a cache, the new k/v are
         written at `positions` and queries attend to every cached slot with key_pos <= query_pos.

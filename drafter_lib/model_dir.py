@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
+from . import draft_vocab
 from . import quantization as Q
 from .copy_policy import CopyPolicy
 from .io_utils import write_json
@@ -120,6 +121,7 @@ def write_model_dir(out_dir, hf_config: dict, state_dict: dict, qconfig, copy_po
         raise ValueError(f"extra_manifest may not set reserved manifest keys {sorted(clash)}")
 
     sd = {Q.canonical_name(k): v for k, v in state_dict.items()}
+    draft_vocab.check_pack(hf_config, sd)
     tied = {}
     if _tied(hf_config):
         if EMBED not in sd:
@@ -248,6 +250,10 @@ def read_model_dir(path, verify: bool = True) -> PackedModel:
         if src not in state_dict:
             raise ModelDirError(f"{path}: config ties lm_head to {src}, which is not in weights.safetensors")
         state_dict[LM_HEAD] = state_dict[src]  # one tensor, as in the tied model
+    try:
+        draft_vocab.check_pack(config, state_dict)
+    except ValueError as err:
+        raise ModelDirError(f"{path}: {err}") from err
     return PackedModel(config=config, quantization=quant_doc, copy_policy=copy_policy, manifest=manifest,
                        state_dict=state_dict, path=path, manifest_sha256=sha256_file(path / "manifest.json"))
 

@@ -1,0 +1,77 @@
+"""Reduced draft vocabulary: id selection, the reduced head's logits equal the full head's rows, the pack round trip
+and its consistency checks."""
+import json
+
+import pytest
+import torch
+from test_model import tiny_hf
+
+from drafter_lib import draft_vocab as DV
+from drafter_lib.model import Transformer
+from drafter_lib.model_dir import ModelDirError, read_model_dir, write_model_dir
+from drafter_lib.quantization import QuantConfig
+
+V = 97
+
+
+def test_select_ids_by_frequency_with_always_and_filler():
+    counts = DV.token_counts([[5, 5, 5, 9, 9, 3], [9, 7, 7, 5]])  # 5:4, 9:3, 7:2, 3:1
+    assert DV.select_ids(counts, 2, V).tolist() == [5, 9]
+    assert DV.select_ids(counts, 3, V, always=[0]).tolist() == [0, 5, 9]
+    six = DV.select_ids(counts, 6, V).tolist()
+    assert six == sorted(six) and {3, 5, 7, 9} <= set(six) and len(set(six)) == 6  # topped up with unused ids
+    ties = DV.token_counts([[4, 2]])
+    assert DV.select_ids(ties, 1, V).tolist() == [2]  # equal counts: the lower id wins, every time
+    assert DV.coverage(torch.tensor([5, 9]), counts) == pytest.approx(7 / 10)
+    with pytest.raises(ValueError, match="draft vocab size"):
+        DV.select_ids(counts, 0, V)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        DV.select_ids(DV.token_counts([[V]]), 2, V)
+    with pytest.raises(ValueError, match="more than the draft vocab size"):
+        DV.select_ids(counts, 1, V, always=[1, 2])
+
+
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen3", False)])
+def test_reduced_head_logits_are_the_full_heads_rows(arch, tie):
+    hf = tiny_hf(arch, vocab_size=V, tie_word_embeddings=tie)
+    ids = torch.tensor([0, 3, 11, 40, 41, 96])
+    cfg, sd = DV.reduce_head(hf.config.to_dict(), hf.state_dict(), ids)
+    full = Transformer.from_hf(hf.config.to_dict(), hf.state_dict())
+    small = Transformer.from_hf(cfg, sd)
+    assert small.lm_head.weight.shape == (6, hf.config.hidden_size)
+    x = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9).expand(2, -1)
+    with torch.no_grad():
+        want, got = full(x, pos)[..., ids], small(x, pos)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert small.full_ids(got.argmax(-1)).tolist() == ids[want.argmax(-1)].tolist()
+    assert full.full_ids(torch.tensor([7])).tolist() == [7]  # no draft vocab: indices are ids
+
+
+def test_pack_round_trip_and_checks(tmp_path):
+    hf = tiny_hf("llama", vocab_size=V, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True)
+    ids = DV.select_ids(DV.token_counts([[1, 2, 3, 50, 50]]), 32, V)
+    cfg, sd = DV.reduce_head(hf.config.to_dict(), hf.state_dict(), ids)
+    out = write_model_dir(tmp_path / "m", cfg, sd, QuantConfig.default_for(group_size=32))
+    packed = read_model_dir(out)
+    assert torch.equal(packed.state_dict[DV.IDS_TENSOR], ids)
+    assert packed.config[DV.CONFIG_KEY] == {"size": 32, "tensor": DV.IDS_TENSOR, "full_vocab_size": V}
+    assert packed.state_dict["lm_head.weight"].shape == (32, 64)
+    assert json.loads((out / "quantization.json").read_text())["tensors"][DV.IDS_TENSOR]["quant"] is None
+    engine_model = Transformer.from_hf(packed.config, packed.state_dict)
+    assert torch.equal(engine_model.draft_vocab_ids, ids)
+
+    bad_cfg = {**cfg, DV.CONFIG_KEY: {**cfg[DV.CONFIG_KEY], "size": 31}}
+    with pytest.raises(ValueError, match="31"):
+        write_model_dir(tmp_path / "bad", bad_cfg, sd, None)
+    no_ids = {k: v for k, v in sd.items() if k != DV.IDS_TENSOR}
+    with pytest.raises(ValueError, match="no draft_vocab_ids"):
+        write_model_dir(tmp_path / "bad2", cfg, no_ids, None)
+    dup = {**sd, DV.IDS_TENSOR: torch.cat([ids[:-1], ids[:1]])}
+    with pytest.raises(ValueError, match="duplicate"):
+        write_model_dir(tmp_path / "bad3", cfg, dup, None)
+    # a pack edited after writing is caught by the reader (hash check off, so the vocab check itself is tested)
+    (out / "config.json").write_text(json.dumps({**packed.config, DV.CONFIG_KEY: None, "tie_word_embeddings": False}))
+    with pytest.raises(ModelDirError, match="no 'draft_vocab' entry"):
+        read_model_dir(out, verify=False)

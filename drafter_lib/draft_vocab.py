@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -111,3 +112,62 @@ def check_pack(config: dict, state_dict: dict) -> None:
     if head is None or head.shape[0] != ids.numel():
         raise ValueError(f"{LM_HEAD} must have {ids.numel()} rows (one per draft-vocab id), got "
                          f"{None if head is None else tuple(head.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------- training side
+
+def reduce_hf_model(model, ids: torch.Tensor):
+    """In place, for a transformers causal LM: lm_head keeps only the rows `ids` (a fresh, untied Linear, so the
+    full embedding stays trainable on its own), the id table becomes the persistent buffer `draft_vocab_ids`, and
+    the config describes it. Returns the model."""
+    from torch import nn
+
+    vocab = int(model.config.vocab_size)
+    ids = ids.to(torch.long).cpu()
+    check_ids(ids, vocab)
+    old = model.get_output_embeddings().weight
+    head = nn.Linear(old.shape[1], ids.numel(), bias=False, dtype=old.dtype, device=old.device)
+    with torch.no_grad():
+        head.weight.copy_(old[ids.to(old.device)])
+    model.config.tie_word_embeddings = False
+    if hasattr(model, "_tied_weights_keys"):
+        model._tied_weights_keys = None if isinstance(model._tied_weights_keys, list) else {}
+    model.lm_head = head
+    model.register_buffer(IDS_TENSOR, ids.to(old.device), persistent=True)
+    setattr(model.config, CONFIG_KEY, config_entry(ids, vocab))
+    return model
+
+
+def head_targets(targets: torch.Tensor, ids: torch.Tensor, vocab_size: int, ignore: int = -100) -> torch.Tensor:
+    """Full-vocabulary target ids -> head row indices; targets outside the draft vocab (and `ignore`) -> ignore,
+    so the loss is taken over the draft vocabulary only."""
+    lookup = torch.full((vocab_size,), ignore, dtype=torch.long, device=targets.device)
+    lookup[ids.to(targets.device)] = torch.arange(ids.numel(), device=targets.device)
+    valid = targets != ignore
+    out = torch.full_like(targets, ignore)
+    out[valid] = lookup[targets[valid]]
+    return out
+
+
+def load_hf_drafter(path, dtype=torch.float32):
+    """from_pretrained for a drafter checkpoint that may carry a reduced head (whose lm_head shape transformers
+    would reject against vocab_size): build the full model, reduce it, then load the saved weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    entry = getattr(config, CONFIG_KEY, None)
+    if not entry:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    reduce_hf_model(model, torch.arange(int(entry["size"])))  # placeholder ids, overwritten by the load
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path}: no *.safetensors weights")
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: draft-vocab checkpoint mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.eval()

@@ -75,3 +75,35 @@ def test_pack_round_trip_and_checks(tmp_path):
     (out / "config.json").write_text(json.dumps({**packed.config, DV.CONFIG_KEY: None, "tie_word_embeddings": False}))
     with pytest.raises(ModelDirError, match="no 'draft_vocab' entry"):
         read_model_dir(out, verify=False)
+
+
+def test_hf_training_side_reduce_save_load_and_pack(tmp_path):
+    from drafter_lib.pack import pack_checkpoint
+
+    hf = tiny_hf("llama", vocab_size=V, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True)
+    x = torch.randint(0, V, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = hf(x).logits
+    ids = torch.tensor([2, 5, 8, 13, 21, 34, 55, 89])
+    DV.reduce_hf_model(hf, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, full[..., ids], rtol=0, atol=0)
+    # the reduced head trains on its own: the full embedding is no longer tied to it
+    assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
+
+    targets = torch.tensor([[5, 6, -100, 89]])
+    assert DV.head_targets(targets, ids, V).tolist() == [[1, -100, -100, 7]]  # 6 is outside the draft vocab
+
+    hf.save_pretrained(tmp_path / "ckpt")
+    back = DV.load_hf_drafter(tmp_path / "ckpt")
+    assert torch.equal(back.draft_vocab_ids, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(back(x).logits, hf(x).logits, rtol=0, atol=0)
+
+    out = pack_checkpoint(back, back.config, tmp_path / "model", None)
+    engine_model = Transformer.from_hf(read_model_dir(out).config, read_model_dir(out).state_dict)
+    with torch.no_grad():
+        got = engine_model(x, torch.arange(7).expand(2, -1))
+        torch.testing.assert_close(got, hf(x).logits, rtol=1e-5, atol=1e-5)
+    assert engine_model.full_ids(got.argmax(-1)).tolist() == ids[hf(x).logits.argmax(-1)].tolist()

@@ -12,11 +12,27 @@ import argparse
 import os
 from pathlib import Path
 
+from . import draft_vocab as DV
 from .layout import REPO_ROOT
 from .model_dir import read_model_dir
 
 # keys the study adds to config.json that transformers does not know; they stay in the pack only
-_STUDY_KEYS = ("pruned_from", "_name_or_path", "_model_name_or_path")
+_STUDY_KEYS = ("pruned_from", "_name_or_path", "_model_name_or_path", DV.CONFIG_KEY)
+
+
+def _full_head(state: dict, vocab: int) -> tuple[dict, list[int]]:
+    """A reduced draft-vocabulary head travels as a full-vocabulary head whose other rows are zero; those ids go
+    into the generation config's suppress_tokens, so greedy generation picks among the draft vocabulary only."""
+    import torch
+
+    state = dict(state)
+    ids = state.pop(DV.IDS_TENSOR)
+    small = state[DV.LM_HEAD]
+    head = torch.zeros(vocab, small.shape[1], dtype=small.dtype)
+    head[ids] = small
+    state[DV.LM_HEAD] = head
+    inside = set(ids.tolist())
+    return state, [t for t in range(vocab) if t not in inside]
 
 
 def export_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike):
@@ -29,8 +45,11 @@ def export_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike):
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state, suppress = packed.state_dict, []
+    if packed.config.get(DV.CONFIG_KEY):
+        state, suppress = _full_head(state, int(config.vocab_size))
     # a pack whose tensors do not cover the model (or carry extra ones) must not export silently
-    missing, unexpected = model.load_state_dict(packed.state_dict, strict=False)
+    missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (m == "lm_head.weight" and config.tie_word_embeddings)]
     if missing or unexpected:
         raise ValueError(f"pack {model_dir} does not match a {model_type} model: missing {missing[:5]}, "
@@ -40,6 +59,8 @@ def export_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike):
     model.eval()
     # the engine drafts without stop tokens; an exported assistant must not stop early either
     model.generation_config.eos_token_id = packed.config.get("eos_token_id")
+    if suppress:
+        model.generation_config.suppress_tokens = suppress
     out = Path(out_dir)
     model.save_pretrained(out)
     return model

@@ -75,3 +75,27 @@ def test_export_cli_and_bad_pack(exported, tmp_path):
     assert (out / "config.json").is_file()
     with pytest.raises(Exception, match="model dir not found"):
         export_hf(tmp_path / "nope", tmp_path / "x")
+
+
+def test_reduced_draft_vocab_exports_as_full_head_with_suppressed_tokens(tmp_path):
+    from drafter_lib import draft_vocab as DV
+    from drafter_lib.model import Transformer
+    from drafter_lib.model_dir import read_model_dir
+
+    drafter = _sharpen(tiny_hf("llama", vocab_size=V, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                               num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    ids = torch.arange(0, V, 3)  # a third of the vocabulary
+    DV.reduce_hf_model(drafter, ids)
+    packed = pack_checkpoint(drafter, drafter.config, tmp_path / "model", QuantConfig.default_for(group_size=32))
+    exported = export_hf(packed, tmp_path / "hf")
+    native = Transformer.from_hf(read_model_dir(packed).config, read_model_dir(packed).state_dict)
+    for seed in (0, 1):
+        seq = _prompt(15, seed)
+        want = []
+        with torch.no_grad():
+            for _ in range(10):  # greedy on the hand-written model, head indices mapped to full ids
+                logits = native(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1]
+                seq = seq + [int(native.full_ids(logits.argmax()))]
+                want.append(seq[-1])
+        got = _greedy(exported, _prompt(15, seed), 10)
+        assert got == want and set(got) <= set(ids.tolist())

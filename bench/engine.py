@@ -38,7 +38,8 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter_lib.engine import DraftEngine, weight_bytes  # noqa: E402
+from drafter_lib.engine import DraftEngine  # noqa: E402
+from drafter_lib.weight_formats import weight_bytes  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -115,14 +116,14 @@ def main():
     engines, mem = {}, {}
     for mode in args.modes:
         before = rss_mb()
-        engines[mode] = DraftEngine(model_dir, dtype=mode)
+        engines[mode] = DraftEngine.from_dir(model_dir, dtype=mode)
         mem[mode] = (weight_bytes(engines[mode].model) / 2**20, rss_mb() - before)
 
     results = {}  # (n, system) -> median seconds
     for n in args.contexts:
         prompt = torch.randint(0, V, (n,)).tolist()
 
-        def hf_gen():
+        def hf_gen(prompt=prompt, n=n):
             with torch.inference_mode():
                 hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, n, dtype=torch.long),
                             max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
@@ -133,14 +134,14 @@ def main():
             eng.draft(prompt, k)  # seeds the warm and branch cases
             state = {"req": list(prompt)}
 
-            def cold(eng=eng):  # a new conversation: nothing of it is cached
+            def cold(eng=eng, prompt=prompt):  # a new conversation: nothing of it is cached
                 eng.draft([rnd.randrange(V)] + prompt[1:], k)
 
             def warm(eng=eng, state=state):
                 d = eng.draft(state["req"], k)
                 state["req"] = state["req"] + d[:args.accepted] + [rnd.randrange(V)]
 
-            def branch(eng=eng):
+            def branch(eng=eng, prompt=prompt, n=n):
                 eng.draft(prompt[:n - 8] + [rnd.randrange(V) for _ in range(8)], k)
 
             cases.update({(mode, "cold"): cold, (mode, "warm"): warm, (mode, "branch"): branch})

@@ -93,17 +93,21 @@ class Stream:
 async def run_phase(url: str, kind: str, clients: int, max_requests: int, duration: float, k: int, vocab: int,
                     prompt_len: int, max_len: int, accept_p: float, seed: int) -> dict:
     latencies, batch_sizes, cached = [], [], []
-    issued = 0
+    issued = rejected = 0
     deadline = time.perf_counter() + duration
 
     async def client(c: httpx.AsyncClient, cid: int):
-        nonlocal issued
+        nonlocal issued, rejected
         stream = Stream(kind, random.Random(seed * 1000 + cid), vocab, prompt_len, max_len, accept_p)
         while issued < max_requests and time.perf_counter() < deadline:
             issued += 1
             tokens = stream.next_tokens()
             t0 = time.perf_counter()
             r = await c.post("/draft", json={"tokens": tokens, "num_draft_tokens": k})
+            if r.status_code == 503:  # overloaded (MAX_QUEUE / REQUEST_TIMEOUT_S): counted, retried later
+                rejected += 1
+                await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", 1))))
+                continue
             latencies.append(time.perf_counter() - t0)
             r.raise_for_status()
             body = r.json()
@@ -120,7 +124,7 @@ async def run_phase(url: str, kind: str, clients: int, max_requests: int, durati
     return {"stream": kind, "clients": clients, "requests": len(latencies), "wall_s": wall,
             "rps": len(latencies) / wall, "p50_ms": percentile(latencies, 50) * 1e3,
             "p99_ms": percentile(latencies, 99) * 1e3, "mean_batch": sum(batch_sizes) / max(len(batch_sizes), 1),
-            "cached_frac": (sum(cached) / len(cached)) if cached else None}
+            "cached_frac": (sum(cached) / len(cached)) if cached else None, "rejected_503": rejected}
 
 
 def print_table(results: list[dict], client_counts: list[int]) -> None:
@@ -199,7 +203,7 @@ def main(argv=None) -> None:
                                           args.prompt_len, max_len, args.accept_p, args.seed))
                 print(f"  {kind:<9} {n:>2} clients: {r['requests']:>4} requests in {r['wall_s']:.1f}s  "
                       f"{r['rps']:.1f} req/s  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms  "
-                      f"mean batch {r['mean_batch']:.2f}", flush=True)
+                      f"mean batch {r['mean_batch']:.2f}  503s {r['rejected_503']}", flush=True)
                 results.append(r)
         print()
         print_table(results, client_counts)

@@ -9,21 +9,38 @@ never waits); otherwise wait a little for the others - they are typically the cl
 finished, whose next requests are a round trip away. Without that wait, 8 clients settle into two alternating
 half-size cohorts and lose most of the batching gain. The wait is bounded by `window_s` and by a fraction of the
 recent batch compute time, so it stays small next to the work it saves.
+
+Overload is bounded: at most `max_queue` requests wait for a batch (beyond that `submit` raises `Overloaded` at
+once), and a request not answered within `request_timeout_s` raises `Overloaded` too (its work, if already
+running, finishes and is dropped). The server turns both into 503 + Retry-After.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-# run_batch(list_of_token_lists, k) -> list of drafts; called only from the single worker thread.
+# run_batch(list_of_token_lists, k) -> list of drafts; called only from the single worker thread. A draft is a
+# token list; one with a `cached_prefix_len` attribute (engine.Draft) also reports its prefix-cache use.
 RunBatch = Callable[[Sequence[Sequence[int]], int], list]
 
 WAIT_FRACTION = 0.1  # wait for stragglers at most this fraction of a typical batch's compute time
 PEAK_MEMORY_S = 2.0  # how long a burst of concurrency is remembered when deciding whether to wait
+MAX_RETRY_AFTER_S = 60
+
+
+class Overloaded(Exception):
+    """The request was not served: `reason` is "queue_full", "timeout" or "shutting_down"; retry after
+    `retry_after_s` seconds."""
+
+    def __init__(self, reason: str, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.reason, self.retry_after_s = reason, retry_after_s
 
 
 @dataclass
@@ -32,38 +49,60 @@ class DraftResult:
     batch_size: int  # requests that shared this forward pass (same k)
     queue_ms: float  # waiting in the queue before the batch started
     compute_ms: float  # wall time of the draft_batch call
-    extra: dict = field(default_factory=dict)  # per-request engine stats, if the engine gives any
+    cached_prefix_len: int | None = None  # this request's context tokens served from the prefix cache
+    batch_cached_tokens: int | None = None  # the same, summed over the batch
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: kept in a set
 class _Pending:
     tokens: list[int]
     k: int
     future: asyncio.Future
     enqueued: float
+    queued: bool = True  # counted in the queue depth until its batch starts (or it gives up)
 
 
 class MicroBatcher:
     """Gathers concurrent `submit` calls into `run_batch` calls on one dedicated thread."""
 
     def __init__(self, run_batch: RunBatch, window_s: float = 0.02, max_batch: int = 32,
-                 run_one: Callable[[Sequence[int], int], list] | None = None):
+                 run_one: Callable[[Sequence[int], int], list] | None = None, max_queue: int | None = None,
+                 request_timeout_s: float | None = None):
         if window_s < 0:
             raise ValueError(f"window_s must be >= 0, got {window_s}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_queue is not None and max_queue < 1:
+            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if request_timeout_s is not None and request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.run_batch = run_batch
         # Fallback used when a whole batch fails: retry each request alone so one bad request cannot fail others.
         self.run_one = run_one or (lambda tokens, k: run_batch([tokens], k)[0])
         self.window_s = window_s
         self.max_batch = max_batch
+        self.max_queue = max_queue
+        self.request_timeout_s = request_timeout_s
         self._queue: asyncio.Queue[_Pending] | None = None
         self._task: asyncio.Task | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0  # submitted and not yet answered
+        self._waiting = 0  # submitted and not yet started: the queue depth that max_queue bounds
         self._peak, self._peak_at = 0, 0.0  # recent peak of _inflight
         self._compute_s = 0.0  # moving average of batch compute time
-        self.stats = {"requests": 0, "batches": 0, "max_batch_seen": 0}
+        self._mean_batch = 1.0  # moving average of batch size
+        self._closed = False
+        self._live: set[_Pending] = set()  # submitted and not yet answered (queued, gathered or running)
+        self.stats = {"requests": 0, "batches": 0, "max_batch_seen": 0, "rejected_queue_full": 0, "timeouts": 0}
+        self.batch_sizes: Counter[int] = Counter()  # batch size -> batches of that size
+
+    @property
+    def queue_depth(self) -> int:
+        return self._waiting
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight
 
     async def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -71,17 +110,17 @@ class MicroBatcher:
         self._task = asyncio.create_task(self._loop(), name="micro-batcher")
 
     async def stop(self) -> None:
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        if self._queue is not None:  # fail whatever is still waiting instead of leaving clients hanging
-            while not self._queue.empty():
-                p = self._queue.get_nowait()
-                if not p.future.done():
-                    p.future.set_exception(RuntimeError("server is shutting down"))
+        for p in list(self._live):  # fail whatever is still waiting instead of leaving clients hanging
+            self._dequeue(p)
+            if not p.future.done():
+                p.future.set_exception(Overloaded("shutting_down", "server is shutting down"))
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
@@ -89,19 +128,43 @@ class MicroBatcher:
         """Run `fn` on the engine's thread (anything else that touches the engine, e.g. info())."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    def retry_after_s(self) -> int:
+        """Seconds until the queue has likely drained: batches ahead x recent batch time (at least 1)."""
+        batches_ahead = self._waiting / max(self._mean_batch, 1.0) + 1
+        return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(batches_ahead * self._compute_s))))
+
     async def submit(self, tokens: list[int], k: int) -> DraftResult:
         if self._queue is None:
             raise RuntimeError("MicroBatcher.start() was not called")
+        if self._closed:
+            raise Overloaded("shutting_down", "server is shutting down", self.retry_after_s())
+        if self.max_queue is not None and self._waiting >= self.max_queue:
+            self.stats["rejected_queue_full"] += 1
+            raise Overloaded("queue_full", f"server overloaded: {self._waiting} requests already queued "
+                                           f"(MAX_QUEUE={self.max_queue})", self.retry_after_s())
         now = time.perf_counter()
         self._inflight += 1
         if self._inflight >= self._peak or now - self._peak_at > PEAK_MEMORY_S:
             self._peak, self._peak_at = self._inflight, now
-        fut = asyncio.get_running_loop().create_future()
+        p = _Pending(tokens, k, asyncio.get_running_loop().create_future(), now)
+        self._waiting += 1
+        self._live.add(p)
         try:
-            await self._queue.put(_Pending(tokens, k, fut, now))
-            return await fut
+            self._queue.put_nowait(p)
+            return await asyncio.wait_for(p.future, self.request_timeout_s)
+        except asyncio.TimeoutError:
+            self.stats["timeouts"] += 1
+            raise Overloaded("timeout", f"request not served within REQUEST_TIMEOUT_S={self.request_timeout_s:g} s",
+                             self.retry_after_s()) from None
         finally:
+            self._dequeue(p)  # a request that gave up (timeout, client gone) leaves the queue depth here
+            self._live.discard(p)
             self._inflight -= 1
+
+    def _dequeue(self, p: _Pending) -> None:
+        if p.queued:
+            p.queued = False
+            self._waiting -= 1
 
     def _expected(self) -> int:
         """How many requests a batch should hold before starting without waiting."""
@@ -127,17 +190,21 @@ class MicroBatcher:
     async def _loop(self) -> None:
         while True:
             batch = await self._gather()
-            batch = [p for p in batch if not p.future.done()]  # client went away while queued
+            batch = [p for p in batch if not p.future.done()]  # client went away / timed out while queued
             # draft_batch takes one k; requests with different k run as separate calls (a longer greedy draft
             # truncated is not guaranteed to equal a shorter one once a copy prior is involved).
             by_k: dict[int, list[_Pending]] = {}
             for p in batch:
                 by_k.setdefault(p.k, []).append(p)
             for k, group in by_k.items():
-                await self._run_group(k, group)
+                group = [p for p in group if not p.future.done()]
+                if group:
+                    await self._run_group(k, group)
 
     async def _run_group(self, k: int, group: list[_Pending]) -> None:
         started = time.perf_counter()
+        for p in group:
+            self._dequeue(p)
         try:
             outs = await self.call_in_worker(self.run_batch, [p.tokens for p in group], k)
             if len(outs) != len(group):
@@ -154,24 +221,21 @@ class MicroBatcher:
                     except Exception as e:  # noqa: BLE001
                         results.append((None, e))
         compute_s = time.perf_counter() - started
-        self._compute_s = compute_s if self.stats["batches"] == 0 else 0.8 * self._compute_s + 0.2 * compute_s
+        first = self.stats["batches"] == 0
+        self._compute_s = compute_s if first else 0.8 * self._compute_s + 0.2 * compute_s
+        self._mean_batch = len(group) if first else 0.8 * self._mean_batch + 0.2 * len(group)
         self.stats["requests"] += len(group)
         self.stats["batches"] += 1
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(group))
-        for p, (out, err) in zip(group, results):
+        self.batch_sizes[len(group)] += 1
+        cached = [getattr(out, "cached_prefix_len", None) for out, _ in results]
+        batch_cached = None if None in cached else sum(cached)
+        for p, (out, err), c in zip(group, results, cached):
             if p.future.done():
                 continue
             if err is not None:
                 p.future.set_exception(err)
                 continue
-            draft, extra = _split(out)
-            p.future.set_result(DraftResult(draft=draft, batch_size=len(group),
+            p.future.set_result(DraftResult(draft=[int(t) for t in out], batch_size=len(group),
                                             queue_ms=(started - p.enqueued) * 1e3, compute_ms=compute_s * 1e3,
-                                            extra=extra))
-
-
-def _split(out) -> tuple[list[int], dict]:
-    """Engines return a plain token list, or (tokens, stats dict) when they report per-request stats."""
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict):
-        return [int(t) for t in out[0]], dict(out[1])
-    return [int(t) for t in out], {}
+                                            cached_prefix_len=c, batch_cached_tokens=batch_cached))

@@ -1,39 +1,65 @@
 """DraftEngine: greedy drafting from a packed model dir with a prefix KV cache and an optional copy prior.
 
-- Weights: a packed dir is restored to float32 by `model_dir.read_model_dir`, then held per `dtype`:
-  "float16" (default): decoder linears in fp16 (half the memory; fp32 activations and KV, see model.Linear);
-  the embedding/lm_head as int8 rows when that is exact (a packed int8 embedding is), read by `Int8Head`,
-  whose greedy argmax is exact for those weights at int8 GEMV speed. "int8": decoder linears as fbgemm
-  dynamic-quant int8 (approximate activations) + the same int8 table/head. "float32": everything fp32
-  (bit-comparable with transformers).
+    engine = DraftEngine.from_dir("model")     # or DraftEngine(model, meta), DraftEngine.from_state_dict(...)
+    draft = engine.draft(tokens, k=16)         # a Draft: the list of k token ids, plus .cached_prefix_len
+    drafts = engine.draft_batch([t1, t2], 16)  # one Draft per request; decode steps batched across them
+
+- Weights (held as `weight_formats.hold_weights` says): "float16" (default): decoder linears in fp16 (half the
+  memory), computed with fp32 activations; the embedding/lm_head as the pack's int8 rows, read as stored, with
+  an exact greedy argmax at int8 GEMV speed (`Int8Head`). "int8": int8 linears with per-token int8 activations
+  (approximate, opt-in). "float32": everything fp32 (bit-comparable with transformers).
+- The same request gets the same draft whatever the cache state and whatever else shares its batch: every token
+  runs the same math whether it is part of a long prefill, a one-token tail after a cached prefix or a row of a
+  batched decode step (no path is chosen by the number of rows; see hold_weights).
 - Prefix KV cache: entries are (token prefix, request length, 1-row KVCache). A request reuses the entry with
   the longest common prefix. If it extends the entry's request and differs at most in that request's draft
   tail (the speculative loop: request + accepted draft + bonus token), the entry is taken over in place (no
   copy); if it only shares part of the request (a branch) the shared part is copied and the entry kept.
   After drafting, the entry is stored under request + draft[:-1] (the tokens whose K/V were computed), so
-  the next step computes only the new tail. LRU eviction keeps the total cached token slots <= max_cache_tokens.
+  the next step computes only the new tail. LRU eviction keeps the cache's bytes <= max_cache_bytes (and its
+  token slots <= max_cache_tokens when set); an entry larger than the bound is not kept.
+- In-flight memory: draft_batch runs its requests in groups whose decode cache (rows x longest row) holds at most
+  max_batch_tokens token slots, so a burst of long contexts cannot allocate without bound.
 - Thread-safety: public methods take one lock; the server calls them from a single worker thread anyway.
+  `cache_info` reads counters only, so another thread may call it while a batch runs.
 - No transformers import here.
 """
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from .copy_policy import CopyPolicy
+from .io_utils import check_token_ids
 from .model import KVCache, ModelConfig, Transformer
+from .weight_formats import Int8Head, hold_weights, read_int8_rows, weight_bytes
+
+__all__ = ["DraftEngine", "Draft", "DTYPES", "DEFAULT_MAX_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": "int8"}
+DEFAULT_MAX_CACHE_BYTES = 256 << 20  # a small machine: ~21k cached tokens of the shipped 8-layer drafter
+DEFAULT_MAX_BATCH_TOKENS = 4096  # in-flight KV slots per decode group (48 MiB for the shipped drafter)
 _ROUND = 128  # KV capacity granularity (slack so extending a prefix rarely reallocates)
 _CHUNK = 2048  # prefill chunk: a cold prompt up to this length runs as one causal pass (no mask, half the work)
+
+
+class Draft(list):
+    """The draft token ids (a plain list to compare and serialize) plus how the request used the prefix cache."""
+
+    def __init__(self, tokens: Sequence[int] = (), cached_prefix_len: int = 0):
+        super().__init__(tokens)
+        self.cached_prefix_len = cached_prefix_len  # context tokens whose K/V came from the cache
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self)
 
 
 @dataclass
@@ -41,10 +67,21 @@ class _Entry:
     tokens: torch.Tensor  # int64 [n] - the prefix whose K/V the cache holds
     cache: KVCache
     request_len: int  # tokens[:request_len] was the request, the rest that request's own draft
+    nbytes: int = 0
+    slots: int = 0
 
     @property
     def length(self) -> int:
         return self.tokens.numel()
+
+
+@dataclass
+class _Row:
+    tokens: list[int]
+    cache: KVCache
+    valid: int  # positions [0, valid) of cache hold K/V of (tokens + draft)[:valid]
+    cached: int = 0  # of which came from the prefix cache
+    draft: list = field(default_factory=list)
 
 
 def _round_up(n: int) -> int:
@@ -52,115 +89,139 @@ def _round_up(n: int) -> int:
 
 
 class DraftEngine:
-    def __init__(self, model_dir=None, max_cache_tokens: int = 65536, dtype: str = "float16",
-                 copy_policy: dict | CopyPolicy | None = None, verify: bool = True, *, _model=None, _meta=None):
-        if _model is None:
-            if model_dir is None:
-                raise ValueError("DraftEngine needs a model_dir (or use DraftEngine.from_state_dict)")
-            from .model_dir import read_model_dir
-
-            packed = read_model_dir(model_dir, verify=verify)
-            meta = dict(hf_config=packed.config, quantization=packed.quantization, manifest=packed.manifest,
-                        manifest_sha256=packed.manifest_sha256, path=str(Path(model_dir).resolve()))
-            if copy_policy is None:
-                copy_policy = packed.copy_policy
-            model = Transformer.from_hf(packed.config, packed.state_dict)
-            del packed
-        else:
-            model, meta = _model, _meta
+    def __init__(self, model: Transformer, meta: dict | None = None, *, dtype: str = "float16",
+                 copy_policy: dict | CopyPolicy | None = None, max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
+                 max_cache_tokens: int | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+                 stored_rows: dict | None = None, verify: bool = True):
+        """`model`: a Transformer with fp32 weights (the engine converts them to `dtype` in place); `meta`: what
+        `info()` reports about its origin; `stored_rows`: int8 rows as packed (see weight_formats)."""
+        if isinstance(model, (str, os.PathLike)):  # the pre-from_dir spelling, kept while callers move over
+            warnings.warn("DraftEngine(model_dir) is deprecated: use DraftEngine.from_dir(model_dir)",
+                          DeprecationWarning, stacklevel=2)
+            model, meta, dir_policy, stored_rows = _load_dir(model, dtype, verify)
+            copy_policy = dir_policy if copy_policy is None else copy_policy
+        if not isinstance(model, Transformer):
+            raise TypeError(f"DraftEngine needs a model.Transformer (or use from_dir), got {type(model).__name__}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} unknown; expected one of {list(DTYPES)}")
         self.dtype = dtype
-        self.model = _cast_weights(model.eval(), DTYPES[dtype])
+        self.model = hold_weights(model.eval(), DTYPES[dtype], stored_rows)
         self.config: ModelConfig = model.config
         self.vocab_size = self.config.vocab_size
         self.max_context = self.config.max_position_embeddings
         self.copy_policy = copy_policy if isinstance(copy_policy, CopyPolicy) else CopyPolicy.from_dict(copy_policy)
-        self.max_cache_tokens = int(max_cache_tokens)
-        self._meta = meta
+        self.max_cache_bytes = int(max_cache_bytes)
+        self.max_cache_tokens = None if max_cache_tokens is None else int(max_cache_tokens)
+        self.max_batch_tokens = int(max_batch_tokens)
+        c = self.config
+        self.kv_bytes_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4  # fp32 K and V
+        self._meta = dict(meta or dict(hf_config=None, quantization=None, manifest_sha256=None, path=None))
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next_id = 0
+        self._cache_bytes = self._cache_slots = 0
         self._lock = threading.Lock()
-        self.stats = dict(requests=0, computed_tokens=0, reused_tokens=0, cache_hits=0, evictions=0)
+        self.stats = dict(requests=0, computed_tokens=0, reused_tokens=0, cache_hits=0, evictions=0,
+                          peak_cache_bytes=0)
+
+    @classmethod
+    def from_dir(cls, path, dtype: str = "float16", copy_policy: dict | CopyPolicy | None = None,
+                 verify: bool = True, **kw) -> DraftEngine:
+        """Load a packed model dir (sha256-checked when verify); copy_policy None = the dir's copy_policy.json."""
+        model, meta, dir_policy, rows = _load_dir(path, dtype, verify)
+        return cls(model, meta, dtype=dtype, copy_policy=dir_policy if copy_policy is None else copy_policy,
+                   stored_rows=rows, **kw)
 
     @classmethod
     def from_state_dict(cls, hf_config: dict, state_dict: dict, copy_policy=None, dtype: str = "float32",
-                        max_cache_tokens: int = 65536) -> DraftEngine:
+                        **kw) -> DraftEngine:
         model = Transformer.from_hf(hf_config, {k: v.float() for k, v in state_dict.items()})
-        meta = dict(hf_config=hf_config, quantization=None, manifest=None, manifest_sha256=None, path=None)
-        return cls(None, max_cache_tokens=max_cache_tokens, dtype=dtype, copy_policy=copy_policy,
-                   _model=model, _meta=meta)
+        meta = dict(hf_config=hf_config, quantization=None, manifest_sha256=None, path=None)
+        return cls(model, meta, dtype=dtype, copy_policy=copy_policy, **kw)
 
     # ------------------------------------------------------------------------------------------ public
 
-    def draft(self, tokens: Sequence[int], k: int = 16) -> list[int]:
+    def draft(self, tokens: Sequence[int], k: int = 16) -> Draft:
         """Greedy draft of k tokens continuing `tokens` (combined with the copy prior if enabled)."""
         return self.draft_batch([tokens], k)[0]
 
     @torch.inference_mode()
-    def draft_batch(self, requests: Sequence[Sequence[int]], k: int = 16) -> list[list[int]]:
+    def draft_batch(self, requests: Sequence[Sequence[int]], k: int = 16) -> list[Draft]:
         """Draft for several requests; prefill per request, greedy decode steps batched across them."""
         reqs = [self._validate(t, k, i) for i, t in enumerate(requests)]
         if k == 0 or not reqs:
-            return [[] for _ in reqs]
+            return [Draft() for _ in reqs]
+        out: list[Draft] = [Draft()] * len(reqs)
         with self._lock:
-            rows = [self._start(t, k) for t in reqs]
-            active = [r for r in rows if len(r.draft) < k]
-            if len(active) == 1:
-                self._decode_single(active[0], k)
-            elif active:
-                self._decode_batched(active, k)
-            for r in rows:
-                self._store(r)
-            return [r.draft[:k] for r in rows]
+            for group in self._groups(reqs, k):
+                rows = [self._start(reqs[i], k) for i in group]
+                active = [r for r in rows if len(r.draft) < k]
+                if len(active) == 1:
+                    self._decode_single(active[0], k)
+                elif active:
+                    self._decode_batched(active, k)
+                for i, r in zip(group, rows):
+                    self._store(r)
+                    out[i] = Draft(r.draft[:k], r.cached)
+        return out
 
     def info(self) -> dict:
         m = self._meta
-        return dict(config=self.config.to_dict(), hf_config=m["hf_config"], quantization=m["quantization"],
-                    manifest_sha256=m["manifest_sha256"], path=m["path"], copy_policy=self.copy_policy.to_dict(),
-                    dtype=self.dtype, vocab_size=self.vocab_size, max_context=self.max_context,
-                    max_cache_tokens=self.max_cache_tokens, cache=self.cache_info())
+        return dict(config=self.config.to_dict(), hf_config=m.get("hf_config"), quantization=m.get("quantization"),
+                    manifest_sha256=m.get("manifest_sha256"), path=m.get("path"),
+                    copy_policy=self.copy_policy.to_dict(), dtype=self.dtype, vocab_size=self.vocab_size,
+                    max_context=self.max_context, weight_bytes=weight_bytes(self.model),
+                    kv_bytes_per_token=self.kv_bytes_per_token, max_batch_tokens=self.max_batch_tokens,
+                    max_cache_tokens=self.max_cache_tokens, max_cache_bytes=self.max_cache_bytes,
+                    cache=self.cache_info())
 
     def cache_info(self) -> dict:
-        return dict(self.stats, entries=len(self._entries),
-                    cached_token_slots=sum(e.cache.capacity for e in self._entries.values()))
+        """Counters only (no walk over the entries): safe to call from another thread while a batch runs."""
+        return dict(self.stats, entries=len(self._entries), cached_token_slots=self._cache_slots,
+                    cached_bytes=self._cache_bytes, max_cache_bytes=self.max_cache_bytes)
 
     def clear_cache(self):
         with self._lock:
             self._entries.clear()
+            self._cache_bytes = self._cache_slots = 0
 
     # ------------------------------------------------------------------------------------------ steps
 
     def _validate(self, tokens, k, i) -> list[int]:
-        if not isinstance(k, int) or k < 0:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"k (num_draft_tokens) must be a non-negative int, got {k!r}")
-        toks = [int(t) for t in tokens]
-        if not toks:
-            raise ValueError(f"request {i}: tokens is empty")
-        lo, hi = min(toks), max(toks)
-        if lo < 0 or hi >= self.vocab_size:
-            raise ValueError(f"request {i}: token id {lo if lo < 0 else hi} outside the vocabulary [0, {self.vocab_size})")
+        toks = check_token_ids(tokens, self.vocab_size, what=f"request {i}: tokens")
         if len(toks) + k > self.max_context:
             raise ValueError(f"request {i}: context of {len(toks)} tokens + {k} draft tokens exceeds the model's "
                              f"maximum context {self.max_context}")
         return toks
 
+    def _groups(self, reqs: list[list[int]], k: int) -> list[list[int]]:
+        """Consecutive groups whose batched decode cache (rows x longest row) fits max_batch_tokens."""
+        groups, longest = [], 0
+        for i, t in enumerate(reqs):
+            n = len(t) + k + 1
+            if groups and (len(groups[-1]) + 1) * max(longest, n) <= self.max_batch_tokens:
+                groups[-1].append(i)
+                longest = max(longest, n)
+            else:
+                groups.append([i])
+                longest = n
+        return groups
+
     def _start(self, tokens: list[int], k: int) -> _Row:
         """Prefix-cache lookup, prefill of the uncached tail, first draft token(s)."""
         self.stats["requests"] += 1
         cache, start = self._acquire(tokens, len(tokens) + k)
-        row = _Row(tokens, cache, valid=start)
+        row = _Row(tokens, cache, valid=start, cached=start)
         nxt = self._forward(row, tokens[start:])[-1]
         pol = self.copy_policy
         if pol.enabled and pol.mode == "prefix":
             copy = pol.propose(tokens, k)
             if copy:
                 row.draft = list(copy)
-                if len(copy) < k:  # run the model over the copied tokens, then let it continue
-                    nxt = self._forward(row, copy)[-1]
-                else:
+                if len(copy) >= k:
                     return row
-        row.next = nxt
+                nxt = self._forward(row, copy)[-1]  # run the model over the copied tokens, then let it continue
         row.draft.append(nxt)
         return row
 
@@ -207,7 +268,7 @@ class DraftEngine:
                 if len(r.draft) < k:
                     r.draft.append(t)
                     r.valid += 1
-            self.stats["computed_tokens"] += sum(1 for r in rows)
+            self.stats["computed_tokens"] += B
         for b, r in enumerate(rows):  # scatter the new positions back into each row's own cache
             s, e = start[b], r.valid
             for li in range(batch.num_layers):
@@ -241,7 +302,7 @@ class DraftEngine:
             # the request extends the entry's request and differs at most in that request's draft tail: the
             # next step of the same speculative loop (request + accepted + bonus). Take the cache over, no
             # copy; the rejected draft tail is stale and gets overwritten.
-            del self._entries[best_id]
+            self._drop(best_id)
             e.cache.grow(cap)
             return e.cache, usable
         self._entries.move_to_end(best_id)
@@ -252,172 +313,40 @@ class DraftEngine:
         return cache, usable
 
     def _store(self, row: _Row):
-        seq = row.tokens + row.draft
-        key = torch.tensor(seq[:row.valid], dtype=torch.long)
-        if row.cache.capacity > self.max_cache_tokens or key.numel() == 0:
+        key = torch.tensor((row.tokens + row.draft)[:row.valid], dtype=torch.long)
+        nbytes, slots = row.cache.nbytes(), row.cache.capacity
+        if key.numel() == 0 or not self._fits(nbytes, slots):
             return
         # drop entries that this one makes redundant (a prefix of the new key)
         for eid in [eid for eid, e in self._entries.items()
                     if e.length <= key.numel() and torch.equal(e.tokens, key[:e.length])]:
-            del self._entries[eid]
-        self._entries[self._next_id] = _Entry(key, row.cache, len(row.tokens))
-        self._next_id += 1
-        total = sum(e.cache.capacity for e in self._entries.values())
-        while total > self.max_cache_tokens:
-            _, old = self._entries.popitem(last=False)
-            total -= old.cache.capacity
+            self._drop(eid)
+        # evict before adding, so the cache never holds more than its bounds
+        while self._entries and not self._fits(self._cache_bytes + nbytes, self._cache_slots + slots):
+            self._drop(next(iter(self._entries)))
             self.stats["evictions"] += 1
+        self._entries[self._next_id] = _Entry(key, row.cache, len(row.tokens), nbytes, slots)
+        self._next_id += 1
+        self._cache_bytes += nbytes
+        self._cache_slots += slots
+        self.stats["peak_cache_bytes"] = max(self.stats["peak_cache_bytes"], self._cache_bytes)
+
+    def _fits(self, nbytes: int, slots: int) -> bool:
+        return nbytes <= self.max_cache_bytes and (self.max_cache_tokens is None or slots <= self.max_cache_tokens)
+
+    def _drop(self, eid: int):
+        e = self._entries.pop(eid)
+        self._cache_bytes -= e.nbytes
+        self._cache_slots -= e.slots
 
 
-@dataclass
-class _Row:
-    tokens: list[int]
-    cache: KVCache
-    valid: int  # positions [0, valid) of cache hold K/V of (tokens + draft)[:valid]
-    draft: list = None
-    next: int = -1
+def _load_dir(path, dtype: str, verify: bool):
+    """(fp32 model, meta, copy policy dict, int8 rows as stored) of a packed model dir."""
+    from .model_dir import read_model_dir
 
-    def __post_init__(self):
-        self.draft = [] if self.draft is None else self.draft
-
-
-class Int8DynLinear(nn.Module):
-    """Per-row int8 weight + fbgemm dynamic-quant matmul (activations quantized per call).
-
-    Measured on these CPUs (1 thread, M=1): 49152x576 lm_head 0.2 ms vs 1.2 ms fp16 / 6.7 ms fp32; a quarter of
-    the fp32 bytes. Approximate: activations are quantized to 8 bits, so drafts can differ from the fp model's.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
-        w = weight.float()
-        scale = (w.abs().amax(1) / 127).clamp_min(1e-12).double()
-        with warnings.catch_warnings():  # torch marks quantized tensor creation deprecated; no replacement yet
-            warnings.simplefilter("ignore")
-            qw = torch.quantize_per_channel(w, scale, torch.zeros(w.shape[0], dtype=torch.long), 0, torch.qint8)
-        self._packed = torch.ops.quantized.linear_prepack(qw, None if bias is None else bias.float())
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self.nbytes = w.numel() + w.shape[0] * 8
-
-    def forward(self, x):
-        return torch.ops.quantized.linear_dynamic(x.float(), self._packed)
-
-
-class Int8Embedding(nn.Module):
-    """int8 table + fp32 per-row scale; lookups dequantize only the rows they touch."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        q, scale = _int8_rows(weight)
-        self.register_buffer("q", q)
-        self.register_buffer("scale", scale)
-
-    def forward(self, ids):
-        return self.q[ids].float() * self.scale[ids]
-
-
-class Int8Head(nn.Module):
-    """lm_head over int8 rows (shared with a tied Int8Embedding) with an exact, fast greedy `argmax`.
-
-    argmax: (1) approximate logits with an int8 x int8 -> int32 GEMV (x quantized symmetrically per row, so each
-    element is off by at most s_x/2 and logit i by at most |w_i|_1 * s_x/2); (2) exact fp32 logits only for the
-    rows whose bound interval reaches the best lower bound; argmax among them. Same token as argmax of the
-    fp32 logits of these weights (up to fp32 summation order). Measured (1 thread, 49152x576, M=1): ~1.2 ms
-    vs 6.4 ms fp16 GEMV / 19 ms fp32; the candidate set is usually a handful of rows.
-    `forward` (full logits, used outside the engine's greedy path) dequantizes in chunks: exact, slow.
-    """
-
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
-        super().__init__()
-        self.register_buffer("q", q)  # the same tensor objects as a tied embedding's: counted once
-        self.register_buffer("scale", scale)
-        self.register_buffer("l1", q.abs().sum(1, dtype=torch.float32) * scale[:, 0], persistent=False)
-        try:  # the int8 GEMM needs shapes the CPU kernel supports; tiny test models fall back to float
-            torch._int_mm(torch.zeros(1, q.shape[1], dtype=torch.int8), q.t())
-            self._int_mm = True
-        except RuntimeError:
-            self._int_mm = False
-
-    def forward(self, x):
-        out = [F.linear(x.float(), self.q[s:s + 8192].float() * self.scale[s:s + 8192])
-               for s in range(0, self.q.shape[0], 8192)]
-        return torch.cat(out, -1)
-
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float().reshape(-1, x.shape[-1])
-        out = torch.empty(x.shape[0], dtype=torch.long)
-        for m in range(x.shape[0]):  # row by row: the int8 kernel is fastest at M=1
-            xm = x[m]
-            sx = float(xm.abs().amax()) / 127 or 1.0
-            xq = torch.round(xm / sx).to(torch.int8)[None]
-            acc = torch._int_mm(xq, self.q.t())[0] if self._int_mm else (xq.float() @ self.q.t().float())[0]
-            approx = acc.float() * (self.scale[:, 0] * sx)  # |acc| < 2**24: exact in fp32
-            bound = self.l1 * (0.5 * sx * 1.01)  # 1% covers the fp32 rounding of approx
-            idx = ((approx + bound) >= (approx - bound).max()).nonzero()[:, 0]
-            exact = (self.q[idx].float() * self.scale[idx]) @ xm
-            out[m] = idx[exact.argmax()]
-        return out
-
-
-def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: (q int8 [R,C], scale fp32 [R,1])."""
-    w = weight.float()
-    scale = (w.abs().amax(1, keepdim=True) / 127).clamp_min(1e-12)
-    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
-
-
-def _int8_exact(weight: torch.Tensor) -> bool:
-    """True if per-row int8 holds `weight` exactly (packed int8 embeddings restore to such values)."""
-    q, scale = _int8_rows(weight)
-    return bool(torch.equal(q.float() * scale, weight.float()))
-
-
-def _int8_table_and_head(model: Transformer):
-    """Embedding -> Int8Embedding, lm_head -> Int8Head (sharing the int8 table when tied)."""
-    emb = Int8Embedding(model.model.embed_tokens.weight.data)
-    model.model.embed_tokens = emb
-    if model.config.tie_word_embeddings:
-        model.lm_head = Int8Head(emb.q, emb.scale)
-    else:
-        model.lm_head = Int8Head(*_int8_rows(model.lm_head.weight.data))
-
-
-def _to_int8(model: Transformer) -> Transformer:
-    """Decoder linears -> Int8DynLinear, embedding/lm_head -> int8 table + exact-argmax head; norms stay fp32."""
-    _int8_table_and_head(model)
-    for name, mod in list(model.named_modules()):
-        for cname, child in list(mod.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(mod, cname, Int8DynLinear(child.weight.data, child.bias))
-    return model
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights as held (parameters, buffers and int8 packed linears; shared tensors once)."""
-    seen, total = set(), 0
-    for n, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) not in seen and t.dtype != torch.bool and "rotary" not in n:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total + sum(m.nbytes for m in model.modules() if isinstance(m, Int8DynLinear))
-
-
-def _cast_weights(model: Transformer, dtype) -> Transformer:
-    """Matrices (linears, embedding) to `dtype`; norms/biases stay fp32. Tied weights stay one tensor.
-
-    Low-precision modes keep the embedding/lm_head as int8 rows when that is exact (a packed model's int8
-    embedding restores to such values): a quarter of the fp32 bytes and a fast exact greedy head (Int8Head).
-    """
-    if dtype == "int8":
-        return _to_int8(model)
-    if dtype != torch.float32 and _int8_exact(model.model.embed_tokens.weight.data) and (
-            model.config.tie_word_embeddings or _int8_exact(model.lm_head.weight.data)):
-        _int8_table_and_head(model)
-    done = {}
-    for mod in model.modules():
-        if isinstance(mod, (nn.Linear, nn.Embedding)):
-            p = mod.weight
-            if id(p) not in done:
-                p.data = p.data.to(dtype)
-                done[id(p)] = p
-    return model
+    packed = read_model_dir(path, verify=verify)
+    meta = dict(hf_config=packed.config, quantization=packed.quantization, manifest=packed.manifest,
+                manifest_sha256=packed.manifest_sha256, path=str(Path(path).resolve()))
+    rows = read_int8_rows(path, packed.quantization) if dtype != "float32" else {}
+    model = Transformer.from_hf(packed.config, packed.state_dict)
+    return model, meta, packed.copy_policy, rows

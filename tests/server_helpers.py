@@ -14,17 +14,18 @@ TINY_VOCAB = 512
 TINY_MAX_POS = 512
 
 
-def tiny_hf_model(seed: int = 0, vocab_size: int = TINY_VOCAB, std: float = 0.3):
+def tiny_hf_model(seed: int = 0, vocab_size: int = TINY_VOCAB, std: float = 0.3, **shape):
     """Tiny random Llama. With HF's default init (std 0.02) greedy output is one token repeated, which would hide
-    mixed-up rows or wrong positions; std 0.3 on the matrices gives varied, context-dependent continuations."""
+    mixed-up rows or wrong positions; std 0.3 on the matrices gives varied, context-dependent continuations.
+    `shape` overrides the config (e.g. more layers / KV heads for a model whose KV cache weighs something)."""
     import torch
 
     from drafter_lib.hf_models import tiny_random_model
 
-    model, _tok = tiny_random_model("llama", vocab_size=vocab_size, seed=seed, tokenizer="bytes",
-                                    hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, intermediate_size=128,
-                                    max_position_embeddings=TINY_MAX_POS)
+    cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=128, max_position_embeddings=TINY_MAX_POS)
+    cfg.update(shape)
+    model, _tok = tiny_random_model("llama", vocab_size=vocab_size, seed=seed, tokenizer="bytes", **cfg)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -104,18 +105,52 @@ def guarded_env(guard_dir: Path, log: Path, **extra) -> dict:
     return env
 
 
+# A real server process whose engine sleeps `TEST_ENGINE_DELAY_S` before each batch: overload, timeouts and
+# shutdown become deterministic to test. Same app and the same draining uvicorn server as server.py.
+DELAYED_SERVER = textwrap.dedent('''
+    import os, time
+    from drafter_lib.server_app import Settings, create_app, load_engine, serve
+
+    settings = Settings.from_env()
+    engine = load_engine(settings)
+    delay, run = float(os.environ["TEST_ENGINE_DELAY_S"]), engine.draft_batch
+
+    def slow_draft_batch(requests, k):
+        time.sleep(delay)
+        return run(requests, k)
+
+    engine.draft_batch = slow_draft_batch
+    serve(create_app(settings, engine=engine), settings)
+''')
+
+
+def proc_status_kib(pid: int, field: str) -> int:
+    """A `/proc/<pid>/status` memory field (VmRSS = resident now, VmHWM = peak resident) in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
 class ServerProcess:
-    """`./serve.sh` (or `python server.py`) on a free loopback port; stopped on exit. Output goes to a log file."""
+    """`./serve.sh` (or `python server.py`, or `python -c <code>`) on a free loopback port; stopped on exit. Output
+    goes to a log file."""
 
     def __init__(self, model_dir: Path, log_path: Path, env: dict | None = None, via_serve_sh: bool = True,
-                 **settings):
+                 code: str | None = None, **settings):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(log_path)
         env = dict(env if env is not None else os.environ)
         env.update(HOST="127.0.0.1", PORT=str(self.port), MODEL_DIR=str(model_dir), LOG_LEVEL="warning",
                    PYTHON=sys.executable, **{k: str(v) for k, v in settings.items()})
-        cmd = ["bash", str(ROOT / "serve.sh")] if via_serve_sh else [sys.executable, str(ROOT / "server.py")]
+        if code is not None:
+            cmd = [sys.executable, "-c", code]
+            env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        elif via_serve_sh:
+            cmd = ["bash", str(ROOT / "serve.sh")]
+        else:
+            cmd = [sys.executable, str(ROOT / "server.py")]
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
 

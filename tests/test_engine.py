@@ -147,7 +147,7 @@ def test_loads_packed_model_dir(hf, tmp_path):
     qc = q.QuantConfig.default_for(group_size=16)
     md.write_model_dir(tmp_path / "m", hf.config.to_dict(), hf.state_dict(), qc,
                        copy_policy={"enabled": True, "max_ngram": 3, "min_ngram": 2, "max_copy": 4, "mode": "prefix"})
-    eng = DraftEngine(tmp_path / "m", dtype="float32")
+    eng = DraftEngine.from_dir(tmp_path / "m", dtype="float32")
     packed = md.read_model_dir(tmp_path / "m")
     ref = DraftEngine.from_state_dict(packed.config, packed.state_dict, copy_policy=packed.copy_policy)
     p = rand_tokens(25, 9)
@@ -157,7 +157,7 @@ def test_loads_packed_model_dir(hf, tmp_path):
 
 
 def test_int8_mode_close_and_small(hf):
-    from drafter_lib.engine import weight_bytes
+    from drafter_lib.weight_formats import weight_bytes
 
     e8, e32 = make_engine(hf, dtype="int8"), make_engine(hf)
     assert weight_bytes(e8.model) < 0.4 * weight_bytes(e32.model)
@@ -173,11 +173,115 @@ def test_int8_mode_close_and_small(hf):
 
 def test_int8_head_argmax_is_exact():
     """The int8 pre-pass only prunes candidates: the argmax equals that of the full fp32 logits."""
-    from drafter_lib.engine import Int8Head, _int8_rows
+    from drafter_lib.weight_formats import Int8Head, int8_rows
     g = torch.Generator().manual_seed(0)
-    q, scale = _int8_rows(torch.randn(4096, 96, generator=g) * 0.05)
+    q, scale = int8_rows(torch.randn(4096, 96, generator=g) * 0.05)
     head = Int8Head(q, scale)
     w = q.float() * scale
     x = torch.randn(300, 96, generator=g)
     x[:100] *= 0.01  # flat logits: many near-ties the candidate set must keep
     assert torch.equal(head.argmax(x), (x @ w.t()).argmax(-1))
+
+
+# ------------------------------------------------------------------ one numeric path, per-request stats, bounds
+
+def _sharp_model(std: float):
+    m = tiny_hf("llama", vocab_size=V, num_hidden_layers=2, tie_word_embeddings=True)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, std, generator=torch.Generator().manual_seed(p.numel()))
+    return m
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_same_request_same_draft_whatever_cache_and_batch(dtype):
+    """DESIGN: the same request gets the same draft whatever the cache state and whatever shares its batch.
+    Weights with std 1 make logits sharp enough that rounding differences flip greedy tokens: with fp16
+    activations for <= 4 rows and fp32 for more (the old Linear path choice), 4 of these 100 requests drafted
+    differently warm than cold; with a batch-wide int8 activation scale, batches changed drafts too."""
+    import random
+
+    m = _sharp_model(1.0)
+    loop, cold, batched = make_engine(m, dtype=dtype), make_engine(m, dtype=dtype), make_engine(m, dtype=dtype)
+    rng = random.Random(0)
+    reqs, answers = [], []
+    for i in range(100):
+        p = [rng.randrange(V) for _ in range(rng.randrange(5, 60))]
+        d = loop.draft(p, 12)
+        nxt = p + d[:i % 5] + [rng.randrange(V)]  # the speculative loop's next request: mostly cached
+        warm, again = loop.draft(nxt, 12), loop.draft(nxt, 12)
+        cold.clear_cache()
+        ref = cold.draft(nxt, 12)
+        assert warm == again == ref, (i, len(nxt))
+        reqs.append(nxt)
+        answers.append(ref)
+    for s in range(0, 100, 12):
+        assert batched.draft_batch(reqs[s:s + 12], 12) == answers[s:s + 12]  # cold rows, shared decode batch
+    for s in range(0, 100, 9):
+        assert batched.draft_batch(reqs[s:s + 9], 12) == answers[s:s + 9]  # now warm rows, other neighbours
+
+
+def test_draft_batch_reports_cached_prefix_len_per_request(hf):
+    import json
+
+    eng = make_engine(hf)
+    a = rand_tokens(40, 11)
+    first = eng.draft(a, 6)
+    assert first.cached_prefix_len == 0 and first == first.tokens and json.loads(json.dumps(first)) == first
+    reqs = [a[:30] + rand_tokens(5, 12),  # a branch: shares 30 tokens with a's entry (copied, entry kept)
+            a + first[:2] + [3],  # the loop's next step: a + 2 accepted + bonus, all but the bonus cached
+            rand_tokens(20, 13)]  # unrelated
+    out = eng.draft_batch(reqs, 6)
+    assert [d.cached_prefix_len for d in out] == [30, 42, 0]
+    assert out == [make_engine(hf).draft(r, 6) for r in reqs]
+
+
+def test_cache_bound_in_bytes_and_in_flight_groups(hf):
+    probe = make_engine(hf)
+    probe.draft(rand_tokens(100, 30), 4)
+    entry = probe.cache_info()["cached_bytes"]  # one 100-token request's cache
+    eng = make_engine(hf, max_cache_bytes=3 * entry)
+    for s in range(8):
+        eng.draft(rand_tokens(100, 30 + s), 4)
+        assert eng.cache_info()["cached_bytes"] <= 3 * entry
+    info = eng.cache_info()
+    assert info["entries"] == 3 and info["evictions"] == 5 and info["peak_cache_bytes"] == 3 * entry
+    assert eng.info()["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # layers x (K, V) x kv heads x head_dim x fp32
+    small = make_engine(hf, max_cache_bytes=entry // 2)  # an entry larger than the bound is not kept
+    small.draft(rand_tokens(100, 31), 4)
+    assert small.cache_info()["entries"] == 0
+    # in-flight: decode groups of rows x longest row <= max_batch_tokens, same drafts as one big batch
+    reqs = [rand_tokens(n, 40 + n) for n in (10, 50, 20, 5, 30)]
+    grouped = make_engine(hf, max_batch_tokens=100)
+    assert [len(g) for g in grouped._groups(reqs, 8)] == [1, 1, 2, 1]
+    assert grouped.draft_batch(reqs, 8) == make_engine(hf).draft_batch(reqs, 8)
+
+
+def test_from_dir_holds_the_packed_int8_rows_as_stored(hf, tmp_path):
+    from safetensors import safe_open
+
+    from drafter_lib.model import Transformer
+    from drafter_lib.model_dir import read_model_dir, write_model_dir
+    from drafter_lib.quantization import QuantConfig
+
+    write_model_dir(tmp_path / "m", hf.config.to_dict(), hf.state_dict(), QuantConfig.default_for(group_size=16))
+    eng = DraftEngine.from_dir(tmp_path / "m")  # the default float16 mode
+    emb = eng.model.model.embed_tokens
+    name = "model.embed_tokens.weight"
+    with safe_open(str(tmp_path / "m" / "weights.safetensors"), "pt") as f:
+        assert torch.equal(emb.q, f.get_tensor(name + ".packed"))
+        assert torch.equal(emb.scale, f.get_tensor(name + ".scale").float())
+    packed = read_model_dir(tmp_path / "m")
+    ids = torch.arange(V)
+    assert torch.equal(emb(ids), packed.state_dict[name][ids])  # = restore_weight, bit for bit
+    assert eng.model.lm_head.q is emb.q  # the tied head shares the table
+    # DraftEngine(model, meta) is the constructor; a model dir path still works, with a deprecation warning
+    model = Transformer.from_hf(packed.config, packed.state_dict)
+    assert DraftEngine(model, {"path": "x"}).info()["path"] == "x"
+    with pytest.warns(DeprecationWarning, match="from_dir"):
+        old = DraftEngine(tmp_path / "m")
+    p = rand_tokens(20, 5)
+    assert old.draft(p, 8) == eng.draft(p, 8)
+    with pytest.raises(TypeError, match="Transformer"):
+        DraftEngine({"not": "a model"})

@@ -26,7 +26,7 @@ def model_dir(tmp_path_factory):
 def engine(model_dir):
     from drafter_lib.engine import DraftEngine
 
-    return DraftEngine(str(model_dir)) if ENGINE_DTYPE is None else DraftEngine(str(model_dir), dtype=ENGINE_DTYPE)
+    return DraftEngine.from_dir(model_dir, **({} if ENGINE_DTYPE is None else {"dtype": ENGINE_DTYPE}))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +103,7 @@ def test_prefix_extension_reuses_cache_and_stays_exact(http, engine):
         seq = seq + body["draft"][: step % 4] + [(step * 37) % TINY_VOCAB]
 
 
-# ------------------------------------------------------------------ bad input: 4xx naming the problem, then still serving
+# ------------------------------------------------------------------ bad input: 4xx naming the problem, then serving
 
 def _post_raw(http, content: bytes, headers=None):
     return http.post("/draft", content=content, headers={"content-type": "application/json", **(headers or {})})

@@ -137,7 +137,7 @@ def main(argv=None) -> list[dict]:
     print(f"{len(prompts)} prompts over {len(cats)} categories ({', '.join(cats)}), max {args.max_new_tokens} new "
           f"tokens, drafter {args.model_dir}")
 
-    engine = DraftEngine(args.model_dir)
+    engine = DraftEngine.from_dir(args.model_dir)
     dynamic_ok = "min_confidence" in inspect.signature(engine.draft).parameters
     drafters = {}
     if "engine" in args.drafters:

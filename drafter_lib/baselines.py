@@ -43,9 +43,9 @@ def engine_from_dir(model_dir: str | Path, copy_prior: bool | None = None, **kw)
     from .engine import DraftEngine
 
     if copy_prior is None:
-        return DraftEngine(model_dir, **kw)
+        return DraftEngine.from_dir(model_dir, **kw)
     policy = dataclasses.replace(read_copy_policy(model_dir), enabled=copy_prior)
-    return DraftEngine(model_dir, copy_policy=policy, **kw)
+    return DraftEngine.from_dir(model_dir, copy_policy=policy, **kw)
 
 
 def engine_from_state_dict(hf_config, state_dict: dict, copy_policy: dict | CopyPolicy | None = None, **kw):

@@ -26,9 +26,7 @@
 """
 from __future__ import annotations
 
-import os
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -92,14 +90,9 @@ class DraftEngine:
     def __init__(self, model: Transformer, meta: dict | None = None, *, dtype: str = "float16",
                  copy_policy: dict | CopyPolicy | None = None, max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
                  max_cache_tokens: int | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
-                 stored_rows: dict | None = None, verify: bool = True):
+                 stored_rows: dict | None = None):
         """`model`: a Transformer with fp32 weights (the engine converts them to `dtype` in place); `meta`: what
         `info()` reports about its origin; `stored_rows`: int8 rows as packed (see weight_formats)."""
-        if isinstance(model, (str, os.PathLike)):  # the pre-from_dir spelling, kept while callers move over
-            warnings.warn("DraftEngine(model_dir) is deprecated: use DraftEngine.from_dir(model_dir)",
-                          DeprecationWarning, stacklevel=2)
-            model, meta, dir_policy, stored_rows = _load_dir(model, dtype, verify)
-            copy_policy = dir_policy if copy_policy is None else copy_policy
         if not isinstance(model, Transformer):
             raise TypeError(f"DraftEngine needs a model.Transformer (or use from_dir), got {type(model).__name__}")
         if dtype not in DTYPES:

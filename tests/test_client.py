@@ -70,7 +70,7 @@ def test_wrong_drafter_is_still_lossless(target, client):
 def test_in_process_and_http_loops_agree(target, client, drafter_dir):
     # The same packed drafter in this process and behind the server: same drafts, so the same loop takes the same
     # steps; the native decoder as target verifies the HTTP drafts the same way the transformers model does.
-    engine = DraftEngine(drafter_dir)
+    engine = DraftEngine.from_dir(drafter_dir)
     native = NativeTarget(Transformer.from_hf(target.config.to_dict(), target.state_dict()))
     for prompt in _prompts():
         for k in (4, 16):

@@ -276,12 +276,10 @@ def test_from_dir_holds_the_packed_int8_rows_as_stored(hf, tmp_path):
     ids = torch.arange(V)
     assert torch.equal(emb(ids), packed.state_dict[name][ids])  # = restore_weight, bit for bit
     assert eng.model.lm_head.q is emb.q  # the tied head shares the table
-    # DraftEngine(model, meta) is the constructor; a model dir path still works, with a deprecation warning
+    # DraftEngine(model, meta) is the constructor; a path is a TypeError pointing at from_dir
     model = Transformer.from_hf(packed.config, packed.state_dict)
     assert DraftEngine(model, {"path": "x"}).info()["path"] == "x"
-    with pytest.warns(DeprecationWarning, match="from_dir"):
-        old = DraftEngine(tmp_path / "m")
-    p = rand_tokens(20, 5)
-    assert old.draft(p, 8) == eng.draft(p, 8)
+    with pytest.raises(TypeError, match="from_dir"):
+        DraftEngine(tmp_path / "m")
     with pytest.raises(TypeError, match="Transformer"):
         DraftEngine({"not": "a model"})

@@ -48,7 +48,7 @@ def _prompt(n, seed):
 def test_exported_drafts_equal_engine_fp32(exported):
     _, packed, hf_dir, _ = exported
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    engine = DraftEngine(packed, dtype="float32", copy_policy={"enabled": False})
+    engine = DraftEngine.from_dir(packed, dtype="float32", copy_policy={"enabled": False})
     drafts = []
     for seed, n in enumerate((3, 17, 40)):
         p = _prompt(n, seed)

@@ -97,7 +97,7 @@ def test_smoke_artifacts(smoke_run, tmp_path):
     assert json.loads(run.metrics.read_text())["target"] == "tiny-random:llama"
     packed = read_model_dir(run.model_dir)
     assert packed.config["num_hidden_layers"] == 2  # smoke keeps even:2 of the tiny teacher's 4 layers
-    eng = DraftEngine(run.model_dir)
+    eng = DraftEngine.from_dir(run.model_dir)
     row = json.loads(run.targets.read_text().splitlines()[0])
     assert len(eng.draft(row["prompt_ids"], 5)) == 5
 

@@ -269,9 +269,10 @@ class DraftEngine:
                 r.cache.v[li][0, :, s:e] = batch.v[li][b, :, s:e]
 
     def _argmax(self, h: torch.Tensor) -> torch.Tensor:
-        """Greedy token per row of final hidden states h [M, H]."""
+        """Greedy token per row of final hidden states h [M, H], as full-vocabulary ids (a reduced draft-vocabulary
+        head's row indices map through its id table)."""
         head = self.model.lm_head
-        return head.argmax(h) if isinstance(head, Int8Head) else head(h).argmax(-1)
+        return self.model.full_ids(head.argmax(h) if isinstance(head, Int8Head) else head(h).argmax(-1))
 
     # ------------------------------------------------------------------------------------------ prefix cache
 

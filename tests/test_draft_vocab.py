@@ -107,3 +107,34 @@ def test_hf_training_side_reduce_save_load_and_pack(tmp_path):
         got = engine_model(x, torch.arange(7).expand(2, -1))
         torch.testing.assert_close(got, hf(x).logits, rtol=1e-5, atol=1e-5)
     assert engine_model.full_ids(got.argmax(-1)).tolist() == ids[hf(x).logits.argmax(-1)].tolist()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_engine_drafts_full_vocabulary_ids_from_a_reduced_head(tmp_path, dtype):
+    from drafter_lib.engine import DraftEngine
+    from drafter_lib.quantization import QuantSpec
+
+    hf = tiny_hf("llama", vocab_size=V, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2, tie_word_embeddings=True)
+    with torch.no_grad():  # sharper weights: varied greedy continuations
+        for n, p in hf.named_parameters():
+            if p.ndim == 2 and "embed" not in n:
+                p.mul_(4.0)
+    ids = torch.arange(1, V, 2)
+    DV.reduce_hf_model(hf, ids)
+    qc = QuantConfig.default_for(group_size=32)
+    assert qc.spec_for("lm_head.weight", hf.lm_head.weight) == QuantSpec(8, None, "float16")  # int8 rows
+    out = write_model_dir(tmp_path / "m", hf.config.to_dict(), hf.state_dict(), qc)
+    packed = read_model_dir(out)
+    native = Transformer.from_hf(packed.config, packed.state_dict)
+    engine = DraftEngine.from_dir(out, dtype=dtype, copy_policy={"enabled": False})
+    for seed in (0, 1, 2):
+        seq = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
+        draft = engine.draft(seq, 8)
+        want, s = [], list(seq)
+        with torch.no_grad():
+            for _ in range(8):
+                logits = native(torch.tensor([s]), torch.arange(len(s))[None])[0, -1]
+                s.append(int(native.full_ids(logits.argmax())))
+                want.append(s[-1])
+        assert list(draft) == want and set(draft) <= set(ids.tolist())

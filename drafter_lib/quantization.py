@@ -292,7 +292,7 @@ def apply_fake_quant(module: nn.Module, qconfig: QuantConfig) -> dict[str, Quant
             continue
         fq = FakeQuantize(spec, owners[0][0])
         seen = set()
-        for name, mod in owners:
+        for _name, mod in owners:
             if id(mod) in seen:  # same module reachable under two names
                 continue
             seen.add(id(mod))

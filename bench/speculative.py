@@ -77,7 +77,7 @@ def start_server(model_dir: str):
 
 
 class ConfidenceDrafter:
-    """The engine with a per-request `min_confidence` (dynamic draft length)."""
+    """The engine (or the HTTP client) with a per-request `min_confidence` (dynamic draft length)."""
 
     def __init__(self, engine, threshold: float):
         self.engine, self.threshold = engine, threshold
@@ -148,6 +148,7 @@ def main(argv=None) -> list[dict]:
     if "http" in args.drafters:
         proc, client = start_server(args.model_dir)
         drafters.update({f"http k={k}": (client, k) for k in args.k})
+        drafters.update({f"http dyn>={c}": (ConfidenceDrafter(client, c), 16) for c in args.min_confidence})
 
     targets = {}
     if "hf" in args.targets:

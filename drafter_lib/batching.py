@@ -13,21 +13,28 @@ recent batch compute time, so it stays small next to the work it saves.
 Overload is bounded: at most `max_queue` requests wait for a batch (beyond that `submit` raises `Overloaded` at
 once), and a request not answered within `request_timeout_s` raises `Overloaded` too (its work, if already
 running, finishes and is dropped). The server turns both into 503 + Retry-After.
+
+Per-request options (`min_confidence`, `return_probs`) do not split a batch: requests with different thresholds
+share one `run_batch(tokens, k, min_confidence=[...], return_probs=[...])` call (the engine takes one value per
+request). A batch whose requests all use the defaults calls `run_batch(tokens, k)` as before.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-# run_batch(list_of_token_lists, k) -> list of drafts; called only from the single worker thread. A draft is a
-# token list; one with a `cached_prefix_len` attribute (engine.Draft) also reports its prefix-cache use.
-RunBatch = Callable[[Sequence[Sequence[int]], int], list]
+# run_batch(list_of_token_lists, k, **per_request_options) -> list of drafts; called only from the single worker
+# thread. A draft is a token list; one with a `cached_prefix_len` attribute (engine.Draft) also reports its
+# prefix-cache use, one with `probs` each token's probability under the drafter.
+RunBatch = Callable[..., list]
+OPTION_DEFAULTS = {"min_confidence": None, "return_probs": False}  # per-request options and their "not set"
 
 WAIT_FRACTION = 0.1  # wait for stragglers at most this fraction of a typical batch's compute time
 PEAK_MEMORY_S = 2.0  # how long a burst of concurrency is remembered when deciding whether to wait
@@ -51,6 +58,7 @@ class DraftResult:
     compute_ms: float  # wall time of the draft_batch call
     cached_prefix_len: int | None = None  # this request's context tokens served from the prefix cache
     batch_cached_tokens: int | None = None  # the same, summed over the batch
+    probs: list | None = None  # the drafter's probability of each draft token (None: copied), when computed
 
 
 @dataclass(eq=False)  # hashed by identity: kept in a set
@@ -59,6 +67,7 @@ class _Pending:
     k: int
     future: asyncio.Future
     enqueued: float
+    options: dict  # per-request options (OPTION_DEFAULTS keys)
     queued: bool = True  # counted in the queue depth until its batch starts (or it gives up)
 
 
@@ -66,7 +75,7 @@ class MicroBatcher:
     """Gathers concurrent `submit` calls into `run_batch` calls on one dedicated thread."""
 
     def __init__(self, run_batch: RunBatch, window_s: float = 0.02, max_batch: int = 32,
-                 run_one: Callable[[Sequence[int], int], list] | None = None, max_queue: int | None = None,
+                 run_one: Callable[..., list] | None = None, max_queue: int | None = None,
                  request_timeout_s: float | None = None):
         if window_s < 0:
             raise ValueError(f"window_s must be >= 0, got {window_s}")
@@ -78,7 +87,8 @@ class MicroBatcher:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.run_batch = run_batch
         # Fallback used when a whole batch fails: retry each request alone so one bad request cannot fail others.
-        self.run_one = run_one or (lambda tokens, k: run_batch([tokens], k)[0])
+        self.run_one = run_one or (lambda tokens, k, **opt: run_batch([tokens], k, **{
+            name: [v] for name, v in opt.items()})[0])
         self.window_s = window_s
         self.max_batch = max_batch
         self.max_queue = max_queue
@@ -133,7 +143,11 @@ class MicroBatcher:
         batches_ahead = self._waiting / max(self._mean_batch, 1.0) + 1
         return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(batches_ahead * self._compute_s))))
 
-    async def submit(self, tokens: list[int], k: int) -> DraftResult:
+    async def submit(self, tokens: list[int], k: int, **options) -> DraftResult:
+        """Draft for one request; `options`: min_confidence (None = the engine's default), return_probs."""
+        unknown = set(options) - set(OPTION_DEFAULTS)
+        if unknown:
+            raise TypeError(f"unknown draft options {sorted(unknown)}")
         if self._queue is None:
             raise RuntimeError("MicroBatcher.start() was not called")
         if self._closed:
@@ -146,7 +160,7 @@ class MicroBatcher:
         self._inflight += 1
         if self._inflight >= self._peak or now - self._peak_at > PEAK_MEMORY_S:
             self._peak, self._peak_at = self._inflight, now
-        p = _Pending(tokens, k, asyncio.get_running_loop().create_future(), now)
+        p = _Pending(tokens, k, asyncio.get_running_loop().create_future(), now, {**OPTION_DEFAULTS, **options})
         self._waiting += 1
         self._live.add(p)
         try:
@@ -205,8 +219,12 @@ class MicroBatcher:
         started = time.perf_counter()
         for p in group:
             self._dequeue(p)
+        # options only when some request sets one: engines (and fakes) without them keep working
+        custom = [name for name, d in OPTION_DEFAULTS.items() if any(p.options[name] != d for p in group)]
+        opts = {name: [p.options[name] for p in group] for name in custom}
         try:
-            outs = await self.call_in_worker(self.run_batch, [p.tokens for p in group], k)
+            call = functools.partial(self.run_batch, [p.tokens for p in group], k, **opts)
+            outs = await self.call_in_worker(call)
             if len(outs) != len(group):
                 raise RuntimeError(f"draft_batch returned {len(outs)} drafts for {len(group)} requests")
             results = [(o, None) for o in outs]
@@ -217,7 +235,9 @@ class MicroBatcher:
                 results = []
                 for p in group:
                     try:
-                        results.append((await self.call_in_worker(self.run_one, p.tokens, k), None))
+                        one = {name: p.options[name] for name in custom}
+                        one_call = functools.partial(self.run_one, p.tokens, k, **one)
+                        results.append((await self.call_in_worker(one_call), None))
                     except Exception as e:  # noqa: BLE001
                         results.append((None, e))
         compute_s = time.perf_counter() - started
@@ -238,4 +258,5 @@ class MicroBatcher:
                 continue
             p.future.set_result(DraftResult(draft=[int(t) for t in out], batch_size=len(group),
                                             queue_ms=(started - p.enqueued) * 1e3, compute_ms=compute_s * 1e3,
-                                            cached_prefix_len=c, batch_cached_tokens=batch_cached))
+                                            cached_prefix_len=c, batch_cached_tokens=batch_cached,
+                                            probs=getattr(out, "probs", None)))

@@ -1,7 +1,8 @@
 """HTTP client for the drafter server (server.py).
 
-`SpeculativeClient` is a drafter like any other (`draft(tokens, k) -> list[int]`), so the speculative loop runs
-against the server with `speculative.speculative_generate(target, prompt, max_new_tokens, client, k)`.
+`SpeculativeClient` is a drafter like any other (`draft(tokens, k, min_confidence=None) -> list[int]`), so the
+speculative loop runs against the server with `speculative.speculative_generate(target, prompt, max_new_tokens,
+client, k)`.
 """
 
 from __future__ import annotations
@@ -23,11 +24,18 @@ class SpeculativeClient:
         self.base_url = base_url.rstrip("/")
         self._http = httpx.Client(base_url=self.base_url, timeout=timeout)
 
-    def draft(self, tokens: Sequence[int], k: int = 16) -> list[int]:
-        return self.draft_response(tokens, k)["draft"]
+    def draft(self, tokens: Sequence[int], k: int = 16, min_confidence: float | None = None) -> list[int]:
+        """Up to k draft tokens; min_confidence None = the server's default, 0 = off (always k tokens)."""
+        return self.draft_response(tokens, k, min_confidence)["draft"]
 
-    def draft_response(self, tokens: Sequence[int], k: int = 16) -> dict:
-        r = self._http.post("/draft", json={"tokens": [int(t) for t in tokens], "num_draft_tokens": int(k)})
+    def draft_response(self, tokens: Sequence[int], k: int = 16, min_confidence: float | None = None,
+                       return_probs: bool = False) -> dict:
+        body = {"tokens": [int(t) for t in tokens], "num_draft_tokens": int(k)}
+        if min_confidence is not None:
+            body["min_confidence"] = float(min_confidence)
+        if return_probs:
+            body["return_probs"] = True
+        r = self._http.post("/draft", json=body)
         if r.status_code != 200:
             try:
                 message = r.json().get("error", r.text)

@@ -17,7 +17,7 @@ from .layout import REPO_ROOT
 from .model_dir import read_model_dir
 
 # keys the study adds to config.json that transformers does not know; they stay in the pack only
-_STUDY_KEYS = ("pruned_from", "_name_or_path", "_model_name_or_path", DV.CONFIG_KEY)
+_STUDY_KEYS = ("pruned_from", "_name_or_path", "_model_name_or_path", DV.CONFIG_KEY, "draft_min_confidence")
 
 
 def _full_head(state: dict, vocab: int) -> tuple[dict, list[int]]:

@@ -35,8 +35,9 @@ def _config_dict(hf_config, model=None) -> dict:
 
 
 def pack_checkpoint(hf_model_or_state_dict, hf_config, out_dir, qconfig, copy_policy=None,
-                    extra_manifest=None) -> Path:
-    """Pack an HF model (fake-quant applied or not) or a state dict into a model dir; returns out_dir."""
+                    extra_manifest=None, min_confidence: float | None = None) -> Path:
+    """Pack an HF model (fake-quant applied or not) or a state dict into a model dir; returns out_dir.
+    `min_confidence`: the engine's default draft threshold, kept as config.json `draft_min_confidence`."""
     model = hf_model_or_state_dict if isinstance(hf_model_or_state_dict, nn.Module) else None
     if model is not None:
         state_dict = Q.unparametrized_state_dict(model)
@@ -44,8 +45,12 @@ def pack_checkpoint(hf_model_or_state_dict, hf_config, out_dir, qconfig, copy_po
         state_dict = hf_model_or_state_dict
     else:
         raise ValueError(f"expected an nn.Module or a state dict, got {type(hf_model_or_state_dict).__name__}")
-    return write_model_dir(out_dir, _config_dict(hf_config, model), state_dict, qconfig, copy_policy,
-                           extra_manifest)
+    config = _config_dict(hf_config, model)
+    if min_confidence is not None:
+        if isinstance(min_confidence, bool) or not 0 <= min_confidence <= 1:
+            raise ValueError(f"min_confidence must be a number in [0, 1], got {min_confidence!r}")
+        config["draft_min_confidence"] = float(min_confidence)
+    return write_model_dir(out_dir, config, state_dict, qconfig, copy_policy, extra_manifest)
 
 
 def _load_hf(path) -> nn.Module:

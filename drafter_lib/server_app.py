@@ -2,7 +2,9 @@
 
 One DraftEngine is loaded before the app is built (the published schema carries its vocabulary and context) and
 is owned by one worker thread; concurrent requests are micro-batched (batching.py). The engine keeps nothing
-between requests except its prefix KV cache, whose bytes are bounded (MAX_CACHE_MB).
+between requests except its prefix KV cache, whose bytes are bounded (MAX_CACHE_MB). A request's optional
+`min_confidence` (else the model dir's `draft_min_confidence`) stops its draft early; `return_probs` adds `probs`
+to its answer. Requests with different thresholds share a batch.
 
 Overload: at most MAX_QUEUE requests wait for a batch; the next ones get 503 with Retry-After at once, and a
 request not answered within REQUEST_TIMEOUT_S gets 503 too. Shutdown: SIGTERM (or SIGINT) starts a drain:
@@ -183,9 +185,9 @@ def _trimming(engine):
     """engine.draft_batch, followed by a malloc_trim whenever the batch evicted cache entries: measured on the
     shipped model under a flood of distinct 2k-token contexts, RSS rose 527 MiB above its warm level with a
     256 MiB cache bound without it."""
-    def run(requests, k):
+    def run(requests, k, **options):
         before = engine.cache_info()["evictions"] if hasattr(engine, "cache_info") else None
-        out = engine.draft_batch(requests, k)
+        out = engine.draft_batch(requests, k, **options)
         if before is not None and engine.cache_info()["evictions"] != before:
             _release_freed_memory(collect=False)
         return out
@@ -241,9 +243,12 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
         state.metrics.observe(status, time.perf_counter() - t0)
         return _error(status, message, detail)
 
-    @app.post("/draft", response_model=DraftResponse, responses=error_responses(400, 413, 422, 503))
+    # exclude_unset: `probs` appears only in answers to requests that asked for it
+    @app.post("/draft", response_model=DraftResponse, response_model_exclude_unset=True,
+              responses=error_responses(400, 413, 422, 503))
     async def draft(request: Request):
-        """Greedy draft of `num_draft_tokens` tokens continuing `tokens`."""
+        """Greedy draft of `num_draft_tokens` tokens continuing `tokens` (fewer once the drafter's probability of
+        its next token falls below `min_confidence`)."""
         # The body is parsed here rather than by FastAPI so that every failure gets one clear message (and a
         # client that forgets the JSON content-type still works); the schema is published in the OpenAPI doc.
         t0 = time.perf_counter()
@@ -271,18 +276,22 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
                 return answer(422, f"{exc} (vocab_size={limits.vocab_size}, valid ids are "
                                    f"0..{limits.vocab_size - 1})", t0)
             try:
-                res = await batcher.submit(tokens, k)
+                options = {"return_probs": True} if req.return_probs else {}
+                if req.min_confidence is not None:
+                    options["min_confidence"] = req.min_confidence
+                res = await batcher.submit(tokens, k, **options)
             except Overloaded as exc:
                 return unavailable(exc, t0)
             except ValueError as exc:  # the engine's own input checks (ours above should have caught it first)
                 return answer(422, str(exc), t0)
             total = time.perf_counter() - t0
             state.metrics.observe(200, total)
+            extra = {"probs": res.probs} if req.return_probs else {}
             return DraftResponse(
                 draft=res.draft, num_draft_tokens=k, context_len=len(tokens), batch_size=res.batch_size,
                 cached_prefix_len=res.cached_prefix_len, batch_cached_tokens=res.batch_cached_tokens,
                 timing=Timing(queue_ms=round(res.queue_ms, 3), compute_ms=round(res.compute_ms, 3),
-                              total_ms=round(total * 1e3, 3)))
+                              total_ms=round(total * 1e3, 3)), **extra)
         finally:
             state.inflight -= 1
 
@@ -317,6 +326,7 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
                 "model_dir": settings.model_dir,
                 "engine_dtype": getattr(eng, "dtype", settings.engine_dtype),
                 "default_draft_tokens": DEFAULT_DRAFT_TOKENS,
+                "default_min_confidence": getattr(eng, "min_confidence", None),
                 "max_draft_tokens": limits.max_draft,
                 "max_context_tokens": limits.max_tokens,
                 "max_body_bytes": settings.max_body_bytes,

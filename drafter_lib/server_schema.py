@@ -2,8 +2,9 @@
 
 The request model is built when the app is created (the model is loaded first), so the published schema carries
 the real bounds: ids are integers in [0, vocab_size), `tokens` has 1..max_tokens items, `num_draft_tokens` is in
-1..max_draft. max_tokens = max_context - max_draft, so every request the schema admits fits the model's context
-(JSON Schema cannot bound the sum of two fields).
+1..max_draft; optional `min_confidence` (a number in [0, 1], or null = the model dir's default) and
+`return_probs` (a boolean, default false). max_tokens = max_context - max_draft, so every request the schema
+admits fits the model's context (JSON Schema cannot bound the sum of two fields).
 
 The document is OpenAPI 3.0.3, whose schemas follow JSON Schema draft 4 (Wright-00): an integer there is a
 number without a fraction part, so `13.0` is not an integer id and the server's 422 for it is what the schema
@@ -15,10 +16,11 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, create_model
 
 DEFAULT_DRAFT_TOKENS = 16
 MAX_DRAFT_TOKENS = 64  # a draft longer than this is almost never accepted in full; bounds the work per request
+REQUEST_FIELDS = ("tokens", "num_draft_tokens", "min_confidence", "return_probs")
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,16 @@ def request_model(limits: Limits) -> type[BaseModel]:
                         f"{limits.max_tokens} = the model's context {limits.max_context} minus the longest draft.")],
                 ...),
         num_draft_tokens=(StrictInt, Field(DEFAULT_DRAFT_TOKENS, ge=1, le=limits.max_draft,
-                                           description="How many tokens to draft.")),
+                                           description="How many tokens to draft (at most, with min_confidence).")),
+        # StrictFloat still takes JSON integers (0, 1) but not strings or booleans; allow_inf_nan=False so a
+        # NaN literal cannot slip past the bounds
+        min_confidence=(StrictFloat | None, Field(
+            None, ge=0, le=1, allow_inf_nan=False,
+            description="Stop the draft before the first model-drafted token whose probability under the drafter "
+                        "is below this (tokens copied from the context are not subject to it); null: the model "
+                        "dir's default (draft_min_confidence); 0: off.")),
+        return_probs=(StrictBool, Field(False, description="Also return each draft token's probability under the "
+                                                           "drafter (null for a token copied from the context).")),
     )
 
 
@@ -67,6 +78,8 @@ class DraftResponse(BaseModel):
     cached_prefix_len: int | None = Field(None, description="Context tokens of this request served from the "
                                                             "prefix KV cache.")
     batch_cached_tokens: int | None = Field(None, description="The same, summed over the requests of the batch.")
+    probs: list[float | None] | None = Field(None, description="Only with return_probs: each draft token's "
+                                                               "probability under the drafter (null: copied).")
     timing: Timing
 
 
@@ -91,7 +104,7 @@ def describe(err: dict, limits: Limits) -> str:
     if kind in ("model_type", "model_attributes_type"):
         msg = "expected a JSON object {\"tokens\": [...], \"num_draft_tokens\": ...}"
     elif kind == "extra_forbidden":
-        msg = "unknown field (allowed: tokens, num_draft_tokens)"
+        msg = f"unknown field (allowed: {', '.join(REQUEST_FIELDS)})"
     elif kind == "missing":
         msg = "field required"
     elif kind == "too_long" and loc == ["tokens"]:

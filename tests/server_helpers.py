@@ -115,9 +115,9 @@ DELAYED_SERVER = textwrap.dedent('''
     engine = load_engine(settings)
     delay, run = float(os.environ["TEST_ENGINE_DELAY_S"]), engine.draft_batch
 
-    def slow_draft_batch(requests, k):
+    def slow_draft_batch(requests, k, **options):
         time.sleep(delay)
-        return run(requests, k)
+        return run(requests, k, **options)
 
     engine.draft_batch = slow_draft_batch
     serve(create_app(settings, engine=engine), settings)

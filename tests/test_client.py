@@ -89,3 +89,27 @@ def test_client_surfaces_server_errors(client):
         client.draft([TINY_VOCAB + 5], 4)
     assert len(client.draft([1, 2, 3], 4)) == 4
     assert client.info()["vocab_size"] == TINY_VOCAB
+
+
+def test_min_confidence_passes_through_and_stays_lossless(target, client, drafter_dir):
+    eng = DraftEngine.from_dir(drafter_dir)
+    for p in _prompts() + [[5, 6, 7, 8], [100, 3, 250, 7, 7]]:
+        full = eng.draft(p, 8, return_probs=True)
+        # a threshold halfway between a new running minimum of the probabilities and the earlier ones: stops there
+        cases = [((full.probs[j] + min(full.probs[:j])) / 2, j) for j in range(1, 8)
+                 if full.probs[j] < min(full.probs[:j]) - 0.005]
+        if cases:
+            break
+    c, j = cases[-1]
+    assert client.draft_response(p, 8, return_probs=True)["probs"] == pytest.approx(full.probs, abs=1e-4)
+    assert client.draft(p, 8, min_confidence=c) == eng.draft(p, 8, min_confidence=c) == full[:j]
+    assert client.draft(p, 8, min_confidence=0) == full
+
+    class Dynamic:
+        def draft(self, tokens, k):
+            return client.draft(tokens, k, min_confidence=0.5)
+
+    native = NativeTarget(Transformer.from_hf(target.config.to_dict(), target.state_dict()).eval())
+    plain = speculative_generate(native, p, 24, None, stop_ids=[EOS])
+    dyn = speculative_generate(native, p, 24, Dynamic(), k=8, stop_ids=[EOS])
+    assert dyn.tokens == plain.tokens

@@ -129,6 +129,12 @@ BAD_REQUESTS = [
     ("k_too_big", {"tokens": [1], "num_draft_tokens": 10_000}, 422, ["num_draft_tokens", "less than or equal"]),
     ("k_string", {"tokens": [1], "num_draft_tokens": "16"}, 422, ["num_draft_tokens", "integer"]),
     ("k_bool", {"tokens": [1], "num_draft_tokens": True}, 422, ["num_draft_tokens", "integer"]),
+    ("min_confidence_above_1", {"tokens": [1], "min_confidence": 1.5}, 422, ["min_confidence", "less than or equal"]),
+    ("min_confidence_negative", {"tokens": [1], "min_confidence": -0.1}, 422, ["min_confidence", "greater than"]),
+    ("min_confidence_string", {"tokens": [1], "min_confidence": "0.5"}, 422, ["min_confidence", "number"]),
+    ("min_confidence_bool", {"tokens": [1], "min_confidence": True}, 422, ["min_confidence", "number"]),
+    ("min_confidence_nan", b'{"tokens": [1], "min_confidence": NaN}', 422, ["min_confidence", "finite"]),
+    ("return_probs_int", {"tokens": [1], "return_probs": 1}, 422, ["return_probs", "boolean"]),
 ]
 
 
@@ -229,6 +235,96 @@ def test_eight_clients_speculative_loops_equal_sequential(server, engine):
             assert d == engine.draft(seq, 8)
 
 
+# ------------------------------------------------------------------ dynamic draft length
+
+def _threshold(probs: list[float]) -> tuple[float, int] | None:
+    """A threshold halfway between the last new running minimum of `probs` (after the first token) and the earlier
+    ones, and where it stops; None when the first probability is the lowest."""
+    best = None
+    for j in range(1, len(probs)):
+        above = min(probs[:j])
+        if probs[j] < above - 0.005:
+            best = ((probs[j] + above) / 2, j)
+    return best
+
+
+def _stoppable(engine, seeds, n, k=16):
+    """(tokens, full draft, threshold, stop index) for the first seed whose draft a threshold can stop midway."""
+    for seed in seeds:
+        tokens = _prompt(seed, n)
+        full = engine.draft(tokens, k, return_probs=True)
+        if (t := _threshold(full.probs)) is not None:
+            return tokens, full, *t
+    raise AssertionError("no prompt with a draft to stop midway")
+
+
+def test_min_confidence_and_return_probs_round_trip(http, engine):
+    assert http.get("/info").json()["server"]["default_min_confidence"] is None
+    for seeds, n in [(range(20, 40), 5), (range(40, 60), 60), (range(60, 80), 150)]:
+        tokens, full, c, j = _stoppable(engine, seeds, n)
+        plain = http.post("/draft", json={"tokens": tokens}).json()
+        assert plain["draft"] == full and "probs" not in plain  # only when asked
+        asked = http.post("/draft", json={"tokens": tokens, "return_probs": True}).json()
+        assert asked["draft"] == full and asked["probs"] == pytest.approx(full.probs, abs=1e-4)
+        body = http.post("/draft", json={"tokens": tokens, "min_confidence": c, "return_probs": True}).json()
+        assert body["draft"] == full[:j] and body["num_draft_tokens"] == 16
+        assert body["probs"] == pytest.approx(full.probs[:j], abs=1e-4)
+        assert http.post("/draft", json={"tokens": tokens, "min_confidence": 0}).json()["draft"] == full
+        assert http.post("/draft", json={"tokens": tokens, "min_confidence": None}).json()["draft"] == full
+        assert full.probs[0] < 1 and http.post("/draft", json={"tokens": tokens, "min_confidence": 1}).json()[
+            "draft"] == []
+
+
+async def _post_all(url, bodies):
+    async with httpx.AsyncClient(base_url=url, timeout=120,
+                                 limits=httpx.Limits(max_connections=len(bodies))) as c:
+        rs = await asyncio.gather(*[c.post("/draft", json=b) for b in bodies])
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+    return [r.json() for r in rs]
+
+
+def test_concurrent_mixed_thresholds_share_batches_and_equal_single(server, http, engine):
+    bodies = []
+    for i in range(12):
+        tokens, _, c, _ = _stoppable(engine, range(600 + 20 * i, 620 + 20 * i), 8 + 11 * i, 12)
+        body = {"tokens": tokens, "num_draft_tokens": 12, "return_probs": i % 2 == 0}
+        if i % 3:
+            body["min_confidence"] = c
+        bodies.append(body)
+    for _ in range(2):  # cold, then warm
+        out = asyncio.run(_post_all(server.url, bodies))
+        assert max(o["batch_size"] for o in out) >= 2
+        for b, o in zip(bodies, out):
+            ref = engine.draft(b["tokens"], 12, min_confidence=b.get("min_confidence"), return_probs=True)
+            assert o["draft"] == ref
+            assert ("probs" in o) == b["return_probs"]
+            if b["return_probs"]:
+                assert o["probs"] == pytest.approx(ref.probs, abs=1e-4)
+    assert any(len(o["draft"]) < 12 for o in out) and any(len(o["draft"]) == 12 for o in out)
+
+
+def test_model_dir_default_threshold_in_process_app(model_dir, tmp_path):
+    """A pack whose config.json carries draft_min_confidence: /info reports it, requests get it unless they set
+    their own (0 = off)."""
+    import shutil
+
+    from fastapi.testclient import TestClient
+
+    from drafter_lib.engine import DraftEngine
+    from drafter_lib.server_app import Settings, create_app
+
+    tokens, full, c, j = _stoppable(DraftEngine.from_dir(model_dir), range(30, 50), 40)
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "draft_min_confidence": c}))
+    eng = DraftEngine.from_dir(d, verify=False)  # config.json changed after the manifest was written
+    with TestClient(create_app(Settings(model_dir=str(d)), engine=eng)) as tc:
+        assert tc.get("/info").json()["server"]["default_min_confidence"] == c
+        assert tc.post("/draft", json={"tokens": tokens}).json()["draft"] == full[:j]
+        assert tc.post("/draft", json={"tokens": tokens, "min_confidence": 0}).json()["draft"] == full
+
+
 # ------------------------------------------------------------------ offline
 
 def test_serves_offline_without_network(http, net_log, server):
@@ -298,3 +394,32 @@ def test_micro_batcher_gathers_and_isolates_failures():
         assert len(set(owner)) == 1  # every engine call ran on the same single worker thread
 
     asyncio.run(main())
+
+
+def test_micro_batcher_passes_per_request_options_in_one_batch():
+    from drafter_lib.batching import MicroBatcher
+
+    calls = []
+
+    def run_batch(token_lists, k, **opts):
+        calls.append(opts)
+        return [[t[0]] * k for t in token_lists]
+
+    async def main():
+        b = MicroBatcher(run_batch, window_s=0.05, max_batch=8)
+        await b.start()
+        try:
+            await b.submit([1], 2)  # defaults only: the plain run_batch(tokens, k) call
+            outs = await asyncio.gather(b.submit([2], 2, min_confidence=0.5), b.submit([3], 2),
+                                        b.submit([4], 2, return_probs=True))
+            assert [o.draft for o in outs] == [[2, 2], [3, 3], [4, 4]]
+            with pytest.raises(TypeError, match="unknown draft options"):
+                await b.submit([5], 2, temperature=1.0)
+        finally:
+            await b.stop()
+
+    asyncio.run(main())
+    assert calls[0] == {}
+    shared = [c for c in calls[1:] if c]
+    assert {"min_confidence": [0.5, None, None], "return_probs": [False, False, True]} in shared or all(
+        len(v) == 1 for c in shared for v in c.values())  # one batch with one value per request (or run apart)

@@ -1,23 +1,49 @@
-"""Teacher generation throughput: native decoder vs transformers generate, side by side.
+"""Teacher generation throughput: transformers generate vs the native decoder, side by side, with token agreement.
 
-    python bench/teacher.py [--n 64] [--max-new-tokens 64] [--batch-sizes 16 64]
+    OMP_WAIT_POLICY=PASSIVE python bench/teacher.py [--n 64] [--max-new-tokens 256] [--batch-sizes 16 32]
+        [--systems hf native native-static native-soft] [--repeats 1] [--data-dir ../shared/data]
 
-Uses the default teacher (SmolLM2-135M-Instruct, offline). Prints aggregate new tokens/s per backend/batch size.
+Uses the default teacher (SmolLM2-135M-Instruct, offline) through `teacher.generate_targets`, so every system
+pays what the teacher stage pays (chat template, JSONL, soft-label parts). Prompts: a seeded sample spread over
+the prompt files of --data-dir (real lengths: continuations stop at EOS at very different times), else built-in
+prompts. Systems (run interleaved, batch size by batch size, so machine load hits all of them alike):
+  hf             transformers generate, left-padded static batches (the reference: fp32 greedy)
+  native         hand-written decoder, continuous batching (finished rows refilled at once), fp32 - the default
+  native-static  the same decoder, static batches (a batch ends when its longest row does)
+  native-soft    native + top-32 soft labels at every continuation position (what the study stores)
+  native-soft-prompt  native-soft + top-32 at every prompt position
+  native-bf16 / native-fp16   weights in bf16 / fp16 (activations fp32); fast only where the CPU has kernels
+Prints tokens/s per system and batch, the ratio to hf at the same batch, and token agreement with hf and native:
+identical rows, and the share of reference tokens before the first differing token (prefix agreement).
 """
+from __future__ import annotations
+
 import argparse
+import random
 import tempfile
 from pathlib import Path
 
 import torch
 
 from drafter_lib import hf_models, teacher
+from drafter_lib.io_utils import read_jsonl
+from drafter_lib.layout import SHARED_DATA_DEFAULT
 
 TOPICS = ["the water cycle", "binary search", "a haiku about autumn", "why the sky is blue", "photosynthesis",
           "how to sort a list in python", "the french revolution", "a recipe for pancakes", "black holes",
           "the difference between tcp and udp", "compound interest", "how vaccines work"]
+SYSTEMS = {
+    "hf": dict(backend="hf"),
+    "native": dict(backend="native"),
+    "native-static": dict(backend="native", schedule="static"),
+    "native-soft": dict(backend="native", soft_topk=32),
+    "native-soft-prompt": dict(backend="native", soft_topk=32, soft_prompt=True),
+    "native-bf16": dict(backend="native", native_dtype="bfloat16"),
+    "native-fp16": dict(backend="native", native_dtype="float16"),
+}
 
 
-def prompts(n):
+def builtin_prompts(n):
     styles = ["Explain {} briefly.", "Write a short paragraph about {}.", "Give three facts about {}.",
               "What is {}? Answer in detail, with an example."]
     return [{"id": f"b{i}", "category": "bench", "source": "bench",
@@ -25,31 +51,79 @@ def prompts(n):
             for i in range(n)]
 
 
+def sample_prompts(n, data_dir, seed=0):
+    files = sorted(Path(data_dir).glob("prompts/*.jsonl")) + sorted(Path(data_dir).glob("*.jsonl"))
+    if not files:
+        return builtin_prompts(n), "built-in"
+    rng = random.Random(seed)
+    out = []
+    for i, f in enumerate(files):
+        rows = read_jsonl(f)
+        out += rng.sample(rows, min(len(rows), n // len(files) + (i < n % len(files))))
+    return out, ", ".join(f.name for f in files)
+
+
+def agreement(ref, rows):
+    """(identical rows, share of reference tokens before the first difference) of rows vs ref, by id."""
+    same, prefix, total = 0, 0, 0
+    for rid, a in ref.items():
+        b = rows[rid]
+        same += a == b
+        k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix += k
+        total += len(a)
+    return same, prefix / max(total, 1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=64)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--backends", nargs="+", default=["hf", "native"])
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--systems", nargs="+", default=["hf", "native", "native-static", "native-soft"],
+                    choices=sorted(SYSTEMS))
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--data-dir", default=str(SHARED_DATA_DEFAULT))
     args = ap.parse_args()
     model, tok = hf_models.load_default_teacher()
-    recs = prompts(args.n)
-    print(f"torch threads={torch.get_num_threads()}  prompts={args.n}  max_new_tokens={args.max_new_tokens}")
-    print(f"{'backend':8} {'batch':>5} {'new tok':>8} {'sec':>7} {'tok/s':>7}")
-    res = {}
+    recs, src = sample_prompts(args.n, args.data_dir)
+    plen = sorted(len(teacher.encode_chat(tok, teacher.prompt_messages(r))) for r in recs)
+    print(f"torch {torch.__version__}  cpu capability {torch.backends.cpu.get_cpu_capability()}  "
+          f"avx512_bf16 {torch.cpu._is_avx512_bf16_supported()}  amx {torch.cpu._is_amx_tile_supported()}  "
+          f"threads {torch.get_num_threads()}")
+    print(f"prompts: {len(recs)} from {src}; prompt tokens median {plen[len(plen) // 2]}, max {plen[-1]}; "
+          f"max_new_tokens {args.max_new_tokens}")
+    tps, conts = {}, {}
+    for rep in range(args.repeats):
+        for bs in args.batch_sizes:
+            order = args.systems if rep % 2 == 0 else args.systems[::-1]
+            for name in order:
+                with tempfile.TemporaryDirectory() as d:
+                    st = teacher.generate_targets(recs, model, tok, Path(d) / "t.jsonl", batch_size=bs,
+                                                  max_new_tokens=args.max_new_tokens, progress=False,
+                                                  **SYSTEMS[name])
+                    wall = st["seconds"]  # generation and writing; not the one-off weight hashing / conversion
+                    conts[(name, bs)] = {r["id"]: r["continuation_ids"] for r in teacher.read_rows(Path(d) / "t.jsonl")}
+                tps.setdefault((name, bs), []).append(st["new_tokens"] / wall)
+                print(f"  rep {rep} {name:18} batch {bs:3d}: {st['new_tokens']} new tokens in {wall:6.1f} s "
+                      f"= {st['new_tokens'] / wall:6.1f} tok/s", flush=True)
+    print(f"\n{'system':18} {'batch':>5} {'tok/s':>7} {'vs hf':>6} {'same rows vs hf':>16} {'prefix agr hf':>13} "
+          f"{'same rows vs native':>20} {'prefix agr native':>17}")
     for bs in args.batch_sizes:
-        for be in args.backends:
-            with tempfile.TemporaryDirectory() as d:
-                st = teacher.generate_targets(recs, model, tok, Path(d) / "t.jsonl", max_new_tokens=args.max_new_tokens,
-                                              batch_size=bs, backend=be, progress=False)
-                res[(be, bs)] = teacher.read_rows(Path(d) / "t.jsonl")
-            print(f"{be:8} {bs:5d} {st['new_tokens']:8d} {st['seconds']:7.1f} {st['tokens_per_s']:7.1f}", flush=True)
-    for bs in args.batch_sizes:
-        if ("hf", bs) in res and ("native", bs) in res:
-            a = {r["id"]: r["continuation_ids"] for r in res[("hf", bs)]}
-            b = {r["id"]: r["continuation_ids"] for r in res[("native", bs)]}
-            same = sum(a[k] == b[k] for k in a)
-            print(f"batch {bs}: identical continuations hf vs native: {same}/{len(a)}")
+        for name in args.systems:
+            v = sorted(tps[(name, bs)])[len(tps[(name, bs)]) // 2]  # median over repeats
+            hf = tps.get(("hf", bs))
+            ratio = f"{v / sorted(hf)[len(hf) // 2]:5.2f}x" if hf else "-"
+            cells = []
+            for ref in ("hf", "native"):
+                if (ref, bs) in conts:
+                    same, pre = agreement(conts[(ref, bs)], conts[(name, bs)])
+                    cells += [f"{same}/{len(recs)}", f"{pre:.4f}"]
+                else:
+                    cells += ["-", "-"]
+            print(f"{name:18} {bs:5d} {v:7.1f} {ratio:>6} {cells[0]:>16} {cells[1]:>13} {cells[2]:>20} {cells[3]:>17}")
+    print(f"(tok/s = new tokens / seconds of generation incl. writing rows and soft parts, without the one-off "
+          f"teacher hashing and conversion; median of {args.repeats} repeat(s))")
 
 
 if __name__ == "__main__":

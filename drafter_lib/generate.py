@@ -1,82 +1,198 @@
 """Greedy generation and greedy speculative verification on the hand-written `Transformer`.
 
-`greedy_generate` prefills each prompt into its own row of a shared, preallocated `KVCache` (no padding
-waste, exact per-row positions) and then decodes all rows together one token per step; rows that emit a stop
-id leave the batch. Results equal HF greedy `generate` run prompt by prompt.
+`stream_generate` runs continuous batching: `batch_size` slots share one preallocated `KVCache`; each prompt is
+prefilled into its own slot (no padding, exact per-row positions), all live slots decode together one token per
+step, and a slot whose row emits a stop id (or reaches `max_new_tokens`) is refilled at once with the next prompt,
+so the batch stays full however differently long the answers are. Finished rows are yielded as they finish, with
+the teacher's top-K log-probabilities at every continuation position (and optionally every prompt position)
+when `topk > 0`. `greedy_generate` collects them in input order. Results equal HF greedy `generate` run prompt by
+prompt (up to fp32 summation order in near-ties).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
 from .io_utils import check_token_ids
 from .model import KVCache, Transformer
+from .soft_labels import topk_logprobs
 from .speculative import NativeTarget, accepted_length
+
+__all__ = ["Finished", "prefill_row", "stream_generate", "greedy_generate", "verify_greedy"]
+
+
+@dataclass
+class Finished:
+    """One generated row: `tokens` are the new tokens (a stop token that ended the row included). With top-K:
+    `soft_ids`/`soft_logprobs` [n, K] are the distributions at sequence positions soft_start, soft_start+1, ...
+    (soft_start = len(prompt) - 1, or 0 with prompt positions), one per continuation token after the prompt's."""
+
+    index: int
+    tokens: list[int]
+    soft_start: int = 0
+    soft_ids: torch.Tensor | None = None
+    soft_logprobs: torch.Tensor | None = None
 
 
 @torch.inference_mode()
 def prefill_row(model: Transformer, cache: KVCache, row: int, tokens: Sequence[int], start: int = 0,
-                chunk: int = 512) -> torch.Tensor:
-    """Run tokens[start:] for one row of `cache` (positions start..), return last-position logits [V]."""
+                chunk: int = 512, topk: int = 0):
+    """Run tokens[start:] for one row of `cache` (positions start..), return last-position logits [V].
+
+    With topk > 0 returns (logits [V], ids [n, k], logprobs [n, k]) where the top-k cover positions
+    start .. len(tokens) - 2 (every position but the last, whose logits are returned)."""
     view = cache.row_view(row)
     ids = torch.tensor(tokens, dtype=torch.long)
-    logits = None
+    logits, soft = None, []
     for s in range(start, len(tokens), chunk):  # chunks bound the [T, L] attention scratch on long prompts
         e = min(s + chunk, len(tokens))
-        logits = model(ids[s:e][None], torch.arange(s, e)[None], view, last_only=True)
+        if topk:
+            out = model(ids[s:e][None], torch.arange(s, e)[None], view)[0]
+            soft.append(topk_logprobs(out, topk))
+            logits = out[-1:][None]
+        else:
+            logits = model(ids[s:e][None], torch.arange(s, e)[None], view, last_only=True)
     cache.lengths[row] = len(tokens)
-    return logits[0, -1]
+    if not topk:
+        return logits[0, -1]
+    sid = torch.cat([a for a, _ in soft])[:-1]
+    slp = torch.cat([b for _, b in soft])[:-1]
+    return logits[0, -1], sid, slp
+
+
+class _Slot:
+    __slots__ = ("index", "prompt_len", "tokens", "soft_ids", "soft_lp", "soft_start")
+
+    def __init__(self, index: int, prompt_len: int):
+        self.index, self.prompt_len, self.tokens = index, prompt_len, []
+        self.soft_ids, self.soft_lp, self.soft_start = [], [], prompt_len - 1
+
+    @property
+    def pos(self) -> int:  # sequence position of the last accepted token (the one fed next)
+        return self.prompt_len + len(self.tokens) - 1
 
 
 @torch.inference_mode()
-def greedy_generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
-                    stop_ids: Iterable[int] = (), batch_size: int = 16, progress: bool = False) -> list[list[int]]:
-    """Greedy continuations (new tokens only; a stop token that ends a row is included)."""
+def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    stop_ids: Iterable[int] = (), batch_size: int = 16, *, topk: int = 0,
+                    prompt_topk: bool = False, refill: bool = True, compact_below: float = 0.75,
+                    progress: bool = False) -> Iterator[Finished]:
+    """Greedy continuations, yielded as rows finish (order: by finishing, see `Finished.index`).
+
+    refill=False waits for a whole batch to finish before starting the next (the static schedule; kept for
+    benchmarks). Once no prompt is waiting, the cache is compacted to the live rows when they fill less than
+    `compact_below` of its slots (dead slots otherwise cost a decode row each step; compaction copies the cache).
+    """
     if max_new_tokens < 0:
         raise ValueError("max_new_tokens must be >= 0")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if prompt_topk and not topk:
+        raise ValueError("prompt_topk needs topk > 0")
     vocab = model.config.vocab_size
-    for i, p in enumerate(prompts):
-        check_token_ids(p, vocab, f"prompt {i}")
+    prompts = [check_token_ids(p, vocab, f"prompt {i}") for i, p in enumerate(prompts)]
     stop = set(int(s) for s in stop_ids)
-    outs: list[list[int]] = [[] for _ in prompts]
     if max_new_tokens == 0:
-        return outs
-    # similar lengths together -> less wasted attention over masked slots
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    bar = tqdm(total=len(prompts) * max_new_tokens, disable=not progress, desc="generate", unit="tok")
-    kv_dtype = torch.float32
-    for b0 in range(0, len(order), batch_size):
-        idx = order[b0:b0 + batch_size]
-        cap = max(len(prompts[i]) for i in idx) + max_new_tokens
-        cache = model.new_cache(len(idx), cap, kv_dtype)
-        nxt = []
-        for r, i in enumerate(idx):
-            nxt.append(int(prefill_row(model, cache, r, prompts[i]).argmax()))
-        live = list(range(len(idx)))  # batch slot -> position in idx
-        pos = [len(prompts[i]) for i in idx]
-        for step in range(max_new_tokens):
-            keep = []
-            for slot, r in enumerate(live):
-                tok = nxt[slot]
-                outs[idx[r]].append(tok)
-                if tok not in stop and step + 1 < max_new_tokens:
-                    keep.append(slot)
-                else:
-                    bar.update(max_new_tokens - step - 1)
-            bar.update(len(live))
-            if not keep:
+        for i in range(len(prompts)):
+            yield Finished(i, [], len(prompts[i]) - 1) if not topk else Finished(
+                i, [], len(prompts[i]) - 1, torch.zeros(0, topk, dtype=torch.int32), torch.zeros(0, topk))
+        return
+    # similar prompt lengths share the batch: attention runs up to the longest live position
+    queue = deque(sorted(range(len(prompts)), key=lambda i: len(prompts[i])))
+    nslots = min(batch_size, len(prompts))
+    if nslots == 0:
+        return
+
+    def round_up(n: int) -> int:
+        return -(-n // 64) * 64
+
+    first = [queue[j] for j in range(nslots)]
+    cache = model.new_cache(nslots, round_up(max(len(prompts[i]) for i in first) + max_new_tokens), torch.float32)
+    slots: list[_Slot | None] = [None] * nslots
+    bar = tqdm(total=len(prompts), disable=not progress, desc="generate", unit="row")
+
+    def accept(s: int, tok: int, sid=None, slp=None) -> Finished | None:
+        sl = slots[s]
+        sl.tokens.append(tok)
+        if topk:
+            sl.soft_ids.append(sid)
+            sl.soft_lp.append(slp)
+        if tok in stop or len(sl.tokens) >= max_new_tokens:
+            slots[s] = None
+            bar.update(1)
+            if not topk:
+                return Finished(sl.index, sl.tokens)
+            return Finished(sl.index, sl.tokens, sl.soft_start, torch.cat(sl.soft_ids), torch.cat(sl.soft_lp))
+        return None
+
+    def fill(s: int) -> list[Finished]:
+        """Admit waiting prompts into slot s until one is still running (a row may finish on its first token)."""
+        done = []
+        while queue and slots[s] is None:
+            i = queue.popleft()
+            p = prompts[i]
+            if len(p) + max_new_tokens > cache.capacity:  # geometric: each growth copies the whole cache
+                cache.grow(round_up(max(len(p) + max_new_tokens, cache.capacity * 5 // 4)))
+            slots[s] = _Slot(i, len(p))
+            if prompt_topk:  # full logits at every prompt position: the prefill computes them anyway
+                logits, pid, plp = prefill_row(model, cache, s, p, topk=topk)
+                slots[s].soft_ids.append(pid)
+                slots[s].soft_lp.append(plp)
+                slots[s].soft_start = 0
+            else:
+                logits = prefill_row(model, cache, s, p)
+            if topk:
+                sid, slp = topk_logprobs(logits[None], topk)
+                f = accept(s, int(logits.argmax()), sid, slp)
+            else:
+                f = accept(s, int(logits.argmax()))
+            if f is not None:
+                done.append(f)
+        return done
+
+    for s in range(nslots):
+        yield from fill(s)
+    while True:
+        live = [s for s in range(len(slots)) if slots[s] is not None]
+        if not live:
+            if not queue:
                 break
-            if len(keep) < len(live):
-                cache.select_rows(keep)
-                live = [live[s] for s in keep]
-                nxt = [nxt[s] for s in keep]
-                pos = [pos[s] for s in keep]
-            logits = model(torch.tensor(nxt)[:, None], torch.tensor(pos)[:, None], cache)
-            nxt = logits[:, -1].argmax(-1).tolist()
-            pos = [p + 1 for p in pos]
+            if len(slots) < nslots:  # the static schedule compacted the last batch: start a full one
+                cache = model.new_cache(nslots, cache.capacity, torch.float32)
+                slots = [None] * nslots
+            for s in range(nslots):
+                yield from fill(s)
+            continue
+        if (not queue or not refill) and len(live) < compact_below * len(slots):
+            cache.select_rows(live)
+            slots = [slots[s] for s in live]
+            live = list(range(len(slots)))
+        # dead slots (only while draining) feed token 0 at position 0 of their own row: harmless, never read
+        toks = torch.tensor([[sl.tokens[-1] if sl else 0] for sl in slots])
+        pos = torch.tensor([[sl.pos if sl else 0] for sl in slots])
+        logits = model(toks, pos, cache)[:, -1]
+        nxt = logits.argmax(-1).tolist()
+        if topk:
+            sid, slp = topk_logprobs(logits, topk)
+        for s in live:
+            f = accept(s, nxt[s], sid[s:s + 1], slp[s:s + 1]) if topk else accept(s, nxt[s])
+            if f is not None:
+                yield f
+                if refill:
+                    yield from fill(s)
     bar.close()
+
+
+def greedy_generate(model: Transformer, prompts: list[list[int]], max_new_tokens: int,
+                    stop_ids: Iterable[int] = (), batch_size: int = 16, progress: bool = False) -> list[list[int]]:
+    """Greedy continuations in input order (new tokens only; a stop token that ends a row is included)."""
+    outs: list[list[int]] = [[] for _ in prompts]
+    for f in stream_generate(model, prompts, max_new_tokens, stop_ids, batch_size, progress=progress):
+        outs[f.index] = f.tokens
     return outs
 
 

@@ -1,6 +1,6 @@
 """Teacher targets: greedy continuations of chat prompts, written as resumable, shardable JSONL.
 
-Output rows (one JSON object per line, flushed after every batch):
+Output rows (one JSON object per line, flushed every `flush_rows` finished rows):
     {"id", "category", "source", "prompt_ids": [...], "continuation_ids": [...]}
 `continuation_ids` ends with the stop token (EOS / <|im_end|>) when the teacher produced one, so a drafter
 trained on it also learns where answers end. A sidecar `<out>.meta.json` records the teacher (id, revision,
@@ -8,10 +8,13 @@ sha256 of its weights) and the generation settings; resuming with a different te
 Once generation finishes it also records the output file's row count and sha256 (`output`), which
 `drafter_lib.verify` checks.
 
-Two backends:
-  "native": the hand-written decoder (`drafter_lib.model` + `drafter_lib.generate.greedy_generate`) loaded with
-            the teacher's fp32 state dict - the fast path on CPU.
-  "hf":     `transformers` generate with left padding - for architectures/devices the native path lacks (GPU).
+With `soft_topk=K > 0` the stage also stores the teacher's top-K log-probabilities at every continuation position
+(and with `soft_prompt=True` at every prompt position) in safetensors parts beside the targets file
+(`targets.soft/`, format in `drafter_lib.soft_labels`); each flush writes its part before appending its rows, and
+a resumed run first drops part rows that never reached the targets file, so no row is lost or stored twice.
+
+Backends (`drafter_lib.teacher_backends`): "native" (hand-written decoder, continuous batching, CPU) and "hf"
+(transformers generate, GPU or architectures the native path lacks); "auto" picks.
 """
 from __future__ import annotations
 
@@ -29,6 +32,16 @@ from tqdm.auto import tqdm
 from .io_utils import read_json, read_jsonl, write_json, write_jsonl
 from .layout import repo_relative
 from .model_dir import sha256_file
+from .soft_labels import (
+    SoftRow,
+    SoftWriter,
+    load_soft_labels,
+    parts_record,
+    reconcile,
+    soft_dir_for,
+    stored_row_ids,
+)
+from .teacher_backends import HFBackend, NativeBackend, make_backend  # noqa: F401  (re-exported)
 
 FORMAT_VERSION = 1
 
@@ -145,13 +158,35 @@ def merge_shards(shard_paths: Sequence[str | os.PathLike], out_path: str | os.Pa
             raise ValueError("shards were generated with different teachers or settings; refusing to merge")
     out_path = Path(out_path)
     write_jsonl(out_path, [by_id[rid] for rid in sorted(by_id)])
+    soft = bool(metas and metas[0].get("generation", {}).get("soft_topk"))
+    if soft:
+        _merge_soft([soft_dir_for(p) for p in shard_paths], soft_dir_for(out_path), sorted(by_id),
+                    metas[0]["generation"]["soft_topk"])
     if metas:
         merged = {k: v for k, v in metas[0].items() if k not in ("shard_index", "num_shards", "output")}
         merged["merged_from"] = [repo_relative(p) for p in shard_paths]  # no machine paths in the record
         merged["num_rows"] = len(by_id)
         merged["output"] = output_record(out_path, len(by_id))
+        if soft:
+            merged["output"]["soft"] = parts_record(soft_dir_for(out_path), out_path.parent)
         write_json(meta_path(out_path), merged)
     return len(by_id)
+
+
+def _merge_soft(dirs: Sequence[Path], out_dir: Path, ids: Sequence[str], k: int, rows_per_part: int = 256):
+    """Soft labels of merged shards: every row once (the first shard that has it), in id order."""
+    rows: dict[str, SoftRow] = {}
+    for d in dirs:
+        for rid, r in load_soft_labels(d).items():
+            rows.setdefault(rid, r)
+    missing = [i for i in ids if i not in rows]
+    if missing:
+        raise ValueError(f"soft labels missing for {len(missing)} merged rows, e.g. {missing[:3]}")
+    for old in out_dir.glob("part_*.safetensors") if out_dir.is_dir() else []:
+        old.unlink()
+    w = SoftWriter(out_dir, k)
+    for s in range(0, len(ids), rows_per_part):
+        w.write([rows[i] for i in ids[s:s + rows_per_part]])
 
 
 def meta_path(out_path: str | os.PathLike) -> Path:
@@ -182,65 +217,6 @@ def weights_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-# ---------------------------------------------------------------- backends
-
-class HFBackend:
-    """transformers generate, greedy, left-padded batches."""
-
-    name = "hf"
-
-    def __init__(self, model, pad_id: int):
-        self.model = model.eval()
-        self.pad_id = pad_id
-        self.device = next(model.parameters()).device
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
-        T = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), T), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), T), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, T - len(p):] = torch.tensor(p)
-            mask[i, T - len(p):] = 1
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=stop_ids, pad_token_id=self.pad_id, top_p=None, top_k=None, temperature=None,
-        )
-        return [cut_at_stop(row, stop_ids, max_new_tokens) for row in out[:, T:].tolist()]
-
-
-class NativeBackend:
-    """The project's hand-written decoder with the teacher's fp32 weights (fast batched greedy on CPU)."""
-
-    name = "native"
-
-    def __init__(self, hf_model):
-        from drafter_lib.model import Transformer  # owner: core
-
-        sd = {k: v.detach().float().cpu() for k, v in hf_model.state_dict().items()}
-        self.model = Transformer.from_hf(hf_model.config.to_dict(), sd).float().eval()
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
-        from drafter_lib.generate import greedy_generate  # owner: core
-
-        outs = greedy_generate(self.model, prompts, max_new_tokens=max_new_tokens, stop_ids=stop_ids,
-                               batch_size=len(prompts), progress=False)
-        return [cut_at_stop(o, stop_ids, max_new_tokens) for o in outs]
-
-
-def make_backend(name: str, model, tokenizer):
-    if name == "auto":
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        name = "native" if on_cpu and model.config.model_type in ("llama", "qwen3") else "hf"
-    if name == "native":
-        return NativeBackend(model)
-    if name == "hf":
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[0]
-        return HFBackend(model, pad)
-    raise ValueError(f"unknown backend {name!r} (expected 'native', 'hf' or 'auto')")
-
-
 # ---------------------------------------------------------------- the generation loop
 
 def generate_targets(
@@ -258,18 +234,37 @@ def generate_targets(
     teacher_revision: str | None = None,
     on_batch: Callable[[int, list[dict]], None] | None = None,
     progress: bool = True,
+    soft_topk: int = 0,
+    soft_prompt: bool = False,
+    flush_rows: int | None = None,
+    native_dtype: str = "float32",
+    schedule: str = "continuous",
 ) -> dict:
     """Write greedy teacher continuations for this shard of `records` to `out_path`, resuming if it exists.
 
-    Prompts are sorted by length (less padding waste); each finished batch is appended and flushed, so a killed
-    run loses at most the batch in flight. `on_batch(batch_index, rows)` runs after each flush (progress hooks,
-    tests). Returns stats: rows written now, rows already done, new tokens, seconds, tokens/s.
+    batch_size: rows decoded together (native: continuous-batching slots; hf: one static batch). soft_topk > 0:
+    also store the teacher's top-K log-probs per continuation token (soft_prompt: per prompt position too) in
+    `soft_dir_for(out_path)`. flush_rows (default batch_size): finished rows per append (and soft part); a
+    killed run loses at most the rows not yet flushed. native_dtype: weight precision of the native backend
+    (float32 = exact default). schedule: "continuous" (refill finished slots) or "static" (native only).
+    `on_batch(flush_index, rows)` runs after each flush (progress hooks, tests). Returns stats: rows written now,
+    rows already done, new tokens, seconds, tokens/s.
     """
     if max_new_tokens < 1 or batch_size < 1:
         raise ValueError(f"max_new_tokens and batch_size must be >= 1 (got {max_new_tokens}, {batch_size})")
+    if soft_topk < 0 or (soft_prompt and not soft_topk):
+        raise ValueError(f"soft_topk must be >= 0 and soft_prompt needs soft_topk > 0 (got {soft_topk}, {soft_prompt})")
+    flush_rows = flush_rows or batch_size
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     stop_ids = stop_token_ids(tokenizer)
+    generation = {"max_new_tokens": max_new_tokens, "stop_ids": stop_ids, "greedy": True,
+                  "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()}
+    # only non-default settings are recorded: a default run's meta stays what it always was
+    if native_dtype != "float32":
+        generation["native_dtype"] = native_dtype
+    if soft_topk:
+        generation.update(soft_topk=soft_topk, soft_prompt=soft_prompt)
     meta = {
         "format_version": FORMAT_VERSION,
         "teacher": {
@@ -279,8 +274,7 @@ def generate_targets(
             "weights_sha256": weights_sha256(model),
             "model_type": model.config.model_type,
         },
-        "generation": {"max_new_tokens": max_new_tokens, "stop_ids": stop_ids, "greedy": True,
-                       "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()},
+        "generation": generation,
         "shard_index": shard_index,
         "num_shards": num_shards,
     }
@@ -298,38 +292,65 @@ def generate_targets(
     if len(set(ids)) != len(ids):
         raise ValueError("duplicate prompt ids in the input")
     done = {row["id"] for row in read_rows(out_path, repair=True)}
+    soft_dir = soft_dir_for(out_path)
+    writer = None
+    if soft_topk:
+        reconcile(soft_dir, done)  # parts of a killed flush whose rows never reached the targets file
+        have = stored_row_ids(soft_dir)
+        if done - have:
+            raise ValueError(f"{len(done - have)} rows of {out_path} have no soft labels in {soft_dir}")
+        writer = SoftWriter(soft_dir, soft_topk)
     todo = []
     for r in mine:
         if record_id(r) not in done:
             todo.append((r, encode_chat(tokenizer, prompt_messages(r))))
     todo.sort(key=lambda x: (len(x[1]), record_id(x[0])))  # length-sorted batches pad little
 
-    gen = make_backend(backend, model, tokenizer)
-    n_tok, n_rows, t0 = 0, 0, time.perf_counter()
+    gen = make_backend(backend, model, tokenizer, dtype=native_dtype, schedule=schedule)
+    n_tok, n_rows, t0, flushes, pending = 0, 0, time.perf_counter(), 0, []
     bar = tqdm(total=len(todo), desc=f"teacher[{gen.name}] shard {shard_index}/{num_shards}", unit="prompt",
                disable=not progress)
     with open(out_path, "a") as f:
-        for bi, start in enumerate(range(0, len(todo), batch_size)):
-            chunk = todo[start:start + batch_size]
-            conts = gen.generate([p for _, p in chunk], max_new_tokens, stop_ids)
-            rows = []
-            for (r, p), c in zip(chunk, conts):
-                rows.append({"id": record_id(r), "category": r.get("category"), "source": r.get("source"),
-                             "prompt_ids": p, "continuation_ids": c})
-                n_tok += len(c)
-            # one write per batch: a crash leaves at most one partial line, which resume drops
+        def flush():
+            nonlocal n_rows, flushes
+            rows = [row for row, _ in pending]
+            if writer is not None:  # soft part first: a targets row is never without its soft labels
+                writer.write([sr for _, sr in pending])
+            # one write per flush: a crash leaves at most one partial line, which resume drops
             f.write("".join(json.dumps(row) + "\n" for row in rows))
             f.flush()
             os.fsync(f.fileno())
             n_rows += len(rows)
-            dt = time.perf_counter() - t0
-            bar.update(len(chunk))
-            bar.set_postfix(tok_s=f"{n_tok / max(dt, 1e-9):.0f}")
+            pending.clear()
+            bar.update(len(rows))
+            bar.set_postfix(tok_s=f"{n_tok / max(time.perf_counter() - t0, 1e-9):.0f}")
+            flushes += 1
             if on_batch is not None:
-                on_batch(bi, rows)
+                on_batch(flushes - 1, rows)
+
+        stream = gen.stream([p for _, p in todo], max_new_tokens, stop_ids, batch_size, top_k=soft_topk,
+                            prompt_top_k=soft_prompt)
+        for fin in stream:
+            r, p = todo[fin.index]
+            c = cut_at_stop(fin.tokens, stop_ids, max_new_tokens)
+            row = {"id": record_id(r), "category": r.get("category"), "source": r.get("source"),
+                   "prompt_ids": p, "continuation_ids": c}
+            sr = None
+            if soft_topk:
+                n = (len(p) - 1 - fin.soft_start) + len(c)  # prompt entries (if any) + one per continuation token
+                sr = SoftRow(row["id"], fin.soft_start, fin.soft_ids[:n], fin.soft_logprobs[:n])
+            pending.append((row, sr))
+            n_tok += len(c)
+            if len(pending) >= flush_rows:
+                flush()
+        if pending:
+            flush()
     bar.close()
     dt = time.perf_counter() - t0
-    write_json(mp, {**meta, "output": output_record(out_path, len(done) + n_rows)})
+    output = output_record(out_path, len(done) + n_rows)
+    if soft_topk:
+        output["soft"] = parts_record(soft_dir, out_path.parent)
+    write_json(mp, {**meta, "output": output})
     return {"written": n_rows, "already_done": len(done), "new_tokens": n_tok, "seconds": dt,
             "tokens_per_s": n_tok / dt if dt > 0 else 0.0, "backend": gen.name}
 
@@ -354,6 +375,9 @@ def main(argv=None):
     ap.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
     ap.add_argument("--shard-index", type=int, default=0)
     ap.add_argument("--num-shards", type=int, default=1)
+    ap.add_argument("--soft-topk", type=int, default=0, help="store the teacher's top-K log-probs (0: off)")
+    ap.add_argument("--soft-prompt", action="store_true", help="also store top-K at prompt positions")
+    ap.add_argument("--native-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--merge", nargs="*", help="merge these shard files into --out and exit")
     args = ap.parse_args(argv)
     if args.merge:
@@ -364,7 +388,8 @@ def main(argv=None):
     rev = getattr(model.config, "_commit_hash", None)
     stats = generate_targets(_load_records(args.prompts), model, tok, args.out, max_new_tokens=args.max_new_tokens,
                              batch_size=args.batch_size, backend=args.backend, shard_index=args.shard_index,
-                             num_shards=args.num_shards, teacher_id=args.teacher, teacher_revision=rev)
+                             num_shards=args.num_shards, teacher_id=args.teacher, teacher_revision=rev,
+                             soft_topk=args.soft_topk, soft_prompt=args.soft_prompt, native_dtype=args.native_dtype)
     print(json.dumps(stats))
 
 

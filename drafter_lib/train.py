@@ -2,8 +2,11 @@
 
 Phase 1 ("distill", `steps` optimizer steps): next-token cross-entropy on the teacher's greedy continuation
 tokens only (prompt tokens give context but no loss), optionally + `kl_weight` * KL(teacher || student) on the
-same positions. Phase 2 ("qat", `qat_steps`): the same loss with `quantization.apply_fake_quant` on the model
-(the exact quantizer packing uses), from the best distill weights, at a lower LR.
+same positions. `loss="kl_topk"` / `"tv"` distil the teacher's stored top-K soft labels instead (see
+`train_loss`), and `loss_on_prompt` adds the soft-labelled prompt positions as loss positions; the logged and
+validated "loss" stays the continuation CE, so runs with different objectives compare. Phase 2 ("qat",
+`qat_steps`): the same loss with `quantization.apply_fake_quant` on the model (the exact quantizer packing
+uses), from the best distill weights, at a lower LR.
 
 Runs single-process on CPU or multi-process via `accelerate launch` (DDP). Batches are a deterministic function
 of (seed, data position), and the loss of one optimizer step is normalised by the target-token count of the whole
@@ -46,7 +49,7 @@ from .checkpoint import (
 from .io_utils import to_jsonable, write_json
 from .plots import plot_losses
 from .train_data import IGNORE, BatchStream, Example, collate, epoch_batches, load_examples, split_val, target_ids
-from .train_loss import LossModule, lr_lambda, make_optimizer, teacher_target_logits
+from .train_loss import LOSSES, LossModule, lr_lambda, make_optimizer, teacher_target_logits
 
 # Re-exported: the notebooks, layer_study and tests reach these through `drafter_lib.train`.
 __all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "build_base_model", "portable_config",
@@ -73,6 +76,11 @@ class TrainConfig:
     teacher_model: str | None = None    # only needed for kl_weight > 0
     kl_weight: float = 0.0
     kl_temperature: float = 1.0
+    # objective: "ce" (hard targets) | "kl_topk" | "tv" (teacher top-K soft labels + tail bucket)
+    loss: str = "ce"
+    loss_on_prompt: bool = False        # soft-labelled prompt positions are loss positions too
+    prompt_loss_weight: float = 1.0     # their weight against a continuation position
+    soft_labels: str | None = None      # soft-label dir; None: <train_path stem>.soft beside the targets
     # optimisation, phase 1
     steps: int = 1000
     lr: float = 3e-4
@@ -107,6 +115,17 @@ class TrainConfig:
     def total_steps(self) -> int:
         return self.steps + self.qat_steps
 
+    @property
+    def uses_soft_labels(self) -> bool:
+        return self.loss != "ce" or self.loss_on_prompt
+
+    def soft_dir(self, targets_path: str) -> str:
+        """Soft labels of a targets file: `soft_labels` for the training file, else the default dir beside it."""
+        from drafter_lib.soft_labels import soft_dir_for
+
+        return self.soft_labels if self.soft_labels and targets_path == self.train_path else str(
+            soft_dir_for(targets_path))
+
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
         known = {f.name for f in fields(cls)}
@@ -122,6 +141,10 @@ class TrainConfig:
             raise ValueError(f"schedule must be cosine|linear|constant, got {self.schedule!r}")
         if self.qat_init not in ("best", "last"):
             raise ValueError(f"qat_init must be 'best' or 'last', got {self.qat_init!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.prompt_loss_weight < 0:
+            raise ValueError(f"prompt_loss_weight must be >= 0, got {self.prompt_loss_weight}")
         if self.kl_weight > 0 and not self.teacher_model:
             raise ValueError("kl_weight > 0 needs teacher_model")
         for k in ("batch_size", "grad_accum", "max_seq_len", "eval_every", "ckpt_every", "log_every"):
@@ -154,7 +177,7 @@ def portable_config(cfg: TrainConfig) -> dict:
     carry the machine's absolute paths (and stays valid when the run directory moves)."""
     d = to_jsonable(cfg)
     out = Path(cfg.out_dir).resolve()
-    for k in ("train_path", "val_path", "base_model", "teacher_model"):
+    for k in ("train_path", "val_path", "base_model", "teacher_model", "soft_labels"):
         v = d.get(k)
         if isinstance(v, str) and v and Path(v).exists():  # hub ids / default model names stay as they are
             d[k] = os.path.relpath(Path(v).resolve(), out).replace(os.sep, "/")
@@ -183,14 +206,18 @@ class Trainer:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
 
-        exs = load_examples(cfg.train_path, cfg.max_seq_len)
+        soft = cfg.uses_soft_labels
+        exs = load_examples(cfg.train_path, cfg.max_seq_len, cfg.soft_dir(cfg.train_path) if soft else None)
         if cfg.val_path:
-            self.train_ex, self.val_ex = exs, load_examples(cfg.val_path, cfg.max_seq_len)
+            val = load_examples(cfg.val_path, cfg.max_seq_len, cfg.soft_dir(cfg.val_path) if soft else None)
+            self.train_ex, self.val_ex = exs, val
         else:
             self.train_ex, self.val_ex = split_val(exs, cfg.val_fraction)
         self.stream = BatchStream(self.train_ex, cfg)
         self.model, self.tok = build_base_model(cfg)
         self.teacher = None
+        if cfg.loss_on_prompt and not any(e.prompt_soft for e in self.train_ex):
+            raise ValueError("loss_on_prompt needs soft labels at prompt positions (teacher soft_prompt=True)")
         if cfg.kl_weight > 0:
             from drafter_lib import hf_models
             self.teacher, _ = hf_models.load_teacher(cfg.teacher_model)
@@ -248,29 +275,34 @@ class Trainer:
 
     # -- one step
     def _micro_batches(self):
-        """This process's micro-batches for the next optimizer step, and the target-token count of the whole
-        global step (all processes, all accumulation steps) - known up front since batches are deterministic."""
+        """This process's micro-batches for the next optimizer step, the target-token count and the loss-position
+        count of the whole global step (all processes, all accumulation steps) - known up front since batches are
+        deterministic."""
         W, A, r = self.acc.num_processes, self.cfg.grad_accum, self.acc.process_index
         global_idx = [self.stream[self.data_pos + i] for i in range(W * A)]
         n_tok = sum(len(self.train_ex[j].ids) - self.train_ex[j].prompt_len for b in global_idx for j in b)
+        n_loss = sum(self.train_ex[j].loss_positions(self.cfg.loss_on_prompt) for b in global_idx for j in b)
         mine = [global_idx[a * W + r] for a in range(A)]
-        return [collate([self.train_ex[j] for j in b]) for b in mine], n_tok
+        return [collate([self.train_ex[j] for j in b]) for b in mine], n_tok, n_loss
 
     def train_step(self) -> dict:
-        batches, n_tok = self._micro_batches()
-        W, dev = self.acc.num_processes, self.acc.device
+        batches, n_tok, n_loss = self._micro_batches()
+        W, dev, cfg = self.acc.num_processes, self.acc.device, self.cfg
         ce_sum = torch.zeros((), device=dev)
+        obj_sum = torch.zeros((), device=dev)
         for a, batch in enumerate(batches):
             batch = {k: v.to(dev) for k, v in batch.items()}
             tl = teacher_target_logits(self.teacher, batch) if self.teacher is not None else None
             sync = a == len(batches) - 1
             ctx = self.acc.no_sync(self.loss_mod) if not sync else contextlib.nullcontext()
             with ctx, self.acc.autocast():
-                loss, ce = self.loss_mod(**batch, teacher_logits=tl, kl_weight=self.cfg.kl_weight,
-                                         temperature=self.cfg.kl_temperature)
-                # DDP averages grads over W processes; scaling by W / n_tok makes it a mean over all tokens
-                self.acc.backward(loss * (W / n_tok))
+                loss, ce = self.loss_mod(**batch, teacher_logits=tl, kl_weight=cfg.kl_weight,
+                                         temperature=cfg.kl_temperature, loss=cfg.loss,
+                                         loss_on_prompt=cfg.loss_on_prompt, prompt_weight=cfg.prompt_loss_weight)
+                # DDP averages grads over W processes; scaling by W / n_loss makes it a mean over all positions
+                self.acc.backward(loss * (W / n_loss))
             ce_sum += ce
+            obj_sum += loss.detach()
         gnorm = self.acc.clip_grad_norm_(self.loss_mod.parameters(), self.cfg.grad_clip) if self.cfg.grad_clip else None
         lr = self.sched.get_last_lr()[0]
         self.opt.step()
@@ -279,8 +311,10 @@ class Trainer:
         self.data_pos += W * self.cfg.grad_accum
         self.step += 1
         loss = self.acc.reduce(ce_sum, reduction="sum").item() / n_tok
-        return {"loss": loss, "lr": lr, "tokens": n_tok,
-                "grad_norm": None if gnorm is None else float(gnorm)}
+        rec = {"loss": loss, "lr": lr, "tokens": n_tok, "grad_norm": None if gnorm is None else float(gnorm)}
+        if cfg.uses_soft_labels:  # the objective itself, per loss position (the default run logs only the CE)
+            rec["objective"] = self.acc.reduce(obj_sum, reduction="sum").item() / n_loss
+        return rec
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -1,6 +1,10 @@
 """Training data for the drafter: teacher target rows -> examples, the held-out split, padded batches with
 continuation-only targets, and the deterministic micro-batch stream (a pure function of seed and data position,
-which is what makes resume and multi-process runs reproduce a single-process run exactly)."""
+which is what makes resume and multi-process runs reproduce a single-process run exactly).
+
+With a soft-label directory (`drafter_lib.soft_labels`), each example also carries the teacher's top-K
+log-probabilities, joined by row id, and batches carry them per position (`soft_ids`, `soft_logprobs`,
+`soft_mask`) for the top-K losses and for loss at prompt positions."""
 from __future__ import annotations
 
 import os
@@ -20,10 +24,24 @@ class Example:
     id: str
     ids: list[int]       # prompt + continuation (truncated)
     prompt_len: int
+    soft_start: int = -1                         # sequence position of soft_ids[0]; -1: no soft labels
+    soft_ids: torch.Tensor | None = None         # [n, K] int32, entry j = distribution at soft_start + j
+    soft_logprobs: torch.Tensor | None = None    # [n, K] float16
+
+    @property
+    def prompt_soft(self) -> int:
+        """Soft-labelled prompt positions (those predicting a prompt token)."""
+        return max(0, self.prompt_len - 1 - self.soft_start) if self.soft_ids is not None else 0
+
+    def loss_positions(self, loss_on_prompt: bool) -> int:
+        """Positions that carry loss: every continuation token, plus soft-labelled prompt positions if asked."""
+        return len(self.ids) - self.prompt_len + (self.prompt_soft if loss_on_prompt else 0)
 
 
-def load_examples(path: str | os.PathLike, max_seq_len: int) -> list[Example]:
-    """Teacher target rows -> examples; rows with no continuation token left after truncation are dropped."""
+def load_examples(path: str | os.PathLike, max_seq_len: int, soft_dir: str | os.PathLike | None = None
+                  ) -> list[Example]:
+    """Teacher target rows -> examples; rows with no continuation token left after truncation are dropped.
+    soft_dir: attach each row's soft labels (truncated with the row); a row without them is an error."""
     from drafter_lib.teacher import read_rows
 
     out = []
@@ -33,6 +51,17 @@ def load_examples(path: str | os.PathLike, max_seq_len: int) -> list[Example]:
             out.append(Example(str(row["id"]), ids, len(row["prompt_ids"])))
     if not out:
         raise ValueError(f"{path}: no usable rows (empty file or every prompt longer than max_seq_len={max_seq_len})")
+    if soft_dir is not None:
+        from drafter_lib.soft_labels import load_soft_labels
+
+        soft = load_soft_labels(soft_dir, [e.id for e in out])
+        missing = [e.id for e in out if e.id not in soft]
+        if missing:
+            raise ValueError(f"{soft_dir}: no soft labels for {len(missing)} rows of {path}, e.g. {missing[:3]}")
+        for e in out:
+            s = soft[e.id]
+            n = max(0, len(e.ids) - 1 - s.start)  # positions with a next token inside the truncated row
+            e.soft_start, e.soft_ids, e.soft_logprobs = s.start, s.ids[:n], s.logprobs[:n]
     return out
 
 
@@ -53,7 +82,9 @@ def target_ids(ids: Sequence[int], prompt_len: int) -> list[int]:
 
 
 def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded batch: input_ids, attention_mask, targets (IGNORE on prompt, last and pad positions)."""
+    """Right-padded batch: input_ids, attention_mask, targets (IGNORE on prompt, last and pad positions).
+    Examples with soft labels add soft_ids [B,T,K] (long), soft_logprobs [B,T,K] (float32) and soft_mask [B,T]
+    (True where position t has the teacher's distribution over token t+1)."""
     T = max(len(e.ids) for e in examples)
     inp = torch.full((len(examples), T), pad_id, dtype=torch.long)
     att = torch.zeros((len(examples), T), dtype=torch.long)
@@ -63,7 +94,22 @@ def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Ten
         inp[i, :n] = torch.tensor(e.ids)
         att[i, :n] = 1
         tgt[i, :n] = torch.tensor(target_ids(e.ids, e.prompt_len))
-    return {"input_ids": inp, "attention_mask": att, "targets": tgt}
+    batch = {"input_ids": inp, "attention_mask": att, "targets": tgt}
+    with_soft = [e.soft_ids is not None for e in examples]
+    if any(with_soft):
+        if not all(with_soft):
+            raise ValueError("a batch mixes examples with and without soft labels")
+        K = examples[0].soft_ids.shape[1]
+        sid = torch.zeros((len(examples), T, K), dtype=torch.long)
+        slp = torch.zeros((len(examples), T, K), dtype=torch.float32)
+        mask = torch.zeros((len(examples), T), dtype=torch.bool)
+        for i, e in enumerate(examples):
+            s, m = e.soft_start, e.soft_ids.shape[0]
+            sid[i, s:s + m] = e.soft_ids.long()
+            slp[i, s:s + m] = e.soft_logprobs.float()
+            mask[i, s:s + m] = True
+        batch.update(soft_ids=sid, soft_logprobs=slp, soft_mask=mask)
+    return batch
 
 
 def epoch_batches(lengths: Sequence[int], batch_size: int, bucket_batches: int, seed: int,

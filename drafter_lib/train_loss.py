@@ -1,5 +1,14 @@
-"""The training objective and its optimiser: continuation-token CE (+ optional KL to the teacher), the per-phase
-learning-rate schedule and AdamW."""
+"""The training objective and its optimiser: continuation-token CE (+ optional KL to the teacher), the top-K
+soft-label losses, the per-phase learning-rate schedule and AdamW.
+
+Losses (`LOSSES`), per loss position, summed:
+  "ce"       hard cross-entropy on the teacher's greedy token (at prompt positions: the teacher's top-1);
+  "kl_topk"  forward KL(teacher || student) over the teacher's top-K ids plus one tail bucket holding the rest
+             of the vocabulary (teacher tail mass = 1 - sum of its top-K probabilities);
+  "tv"       total-variation distance over the same K + 1 buckets.
+Both soft losses are 0 exactly when the student gives every top-K id the teacher's probability (and so the
+tail its mass), whatever it does inside the tail. With loss_on_prompt, soft-labelled prompt positions join the
+continuation positions (weighted by prompt_weight)."""
 from __future__ import annotations
 
 import math
@@ -10,7 +19,27 @@ from torch import nn
 
 from .train_data import IGNORE
 
-__all__ = ["LossModule", "teacher_target_logits", "lr_lambda", "make_optimizer"]
+__all__ = ["LOSSES", "LossModule", "topk_divergence", "teacher_target_logits", "lr_lambda", "make_optimizer"]
+
+LOSSES = ("ce", "kl_topk", "tv")
+
+
+def topk_divergence(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-row divergence [N] between the teacher's top-K (+ tail) distribution and the student's logits [N, V].
+    ids [N, K]: teacher top-K ids; logprobs [N, K]: their teacher log-probs. kind: "kl_topk" or "tv"."""
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    ids = ids.long()
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    s_top = x.gather(-1, ids) - lse                                         # student log q at the top-K ids
+    s_tail = torch.logsumexp(x.scatter(-1, ids, float("-inf")), -1) - lse[:, 0]   # log of the rest's mass
+    t_top = logprobs.to(x.dtype)
+    p = t_top.exp()
+    p_tail = (1 - p.sum(-1)).clamp_min(0)  # fp16-stored log-probs can sum a hair over 1
+    if kind == "kl_topk":
+        return (p * (t_top - s_top)).sum(-1) + torch.xlogy(p_tail, p_tail) - p_tail * s_tail
+    if kind == "tv":
+        return 0.5 * ((p - s_top.exp()).abs().sum(-1) + (p_tail - s_tail.exp()).abs())
+    raise ValueError(f"unknown soft loss {kind!r}; expected 'kl_topk' or 'tv'")
 
 
 class LossModule(nn.Module):
@@ -21,17 +50,38 @@ class LossModule(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def forward(self, input_ids, attention_mask, targets, teacher_logits=None, kl_weight=0.0, temperature=1.0):
+    def forward(self, input_ids, attention_mask, targets, teacher_logits=None, kl_weight=0.0, temperature=1.0,
+                soft_ids=None, soft_logprobs=None, soft_mask=None, loss="ce", loss_on_prompt=False,
+                prompt_weight=1.0):
+        """(objective, continuation CE) - both sums over positions; the CE is what validation compares."""
         h = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        sel = targets != IGNORE
-        logits = self.lm.lm_head(h[sel]).float()                     # [N, V]
-        ce = F.cross_entropy(logits, targets[sel], reduction="sum")
+        cont = targets != IGNORE
+        if loss == "ce" and not loss_on_prompt:
+            logits = self.lm.lm_head(h[cont]).float()                   # [N, V]
+            ce = F.cross_entropy(logits, targets[cont], reduction="sum")
+            obj = ce
+        else:
+            if soft_ids is None:
+                raise ValueError(f"loss={loss!r} / loss_on_prompt need soft labels in the batch")
+            sel = (cont | soft_mask) if loss_on_prompt else cont
+            logits = self.lm.lm_head(h[sel]).float()
+            is_cont = cont[sel]
+            ce = F.cross_entropy(logits[is_cont], targets[sel][is_cont], reduction="sum")
+            if loss == "ce":  # prompt positions: the teacher's top-1 as the hard target
+                per = F.cross_entropy(logits, torch.where(is_cont, targets[sel], soft_ids[sel][:, 0]),
+                                      reduction="none")
+            else:
+                if not bool(soft_mask[cont].all()):
+                    raise ValueError("a continuation position has no soft label")
+                per = topk_divergence(logits, soft_ids[sel], soft_logprobs[sel], loss)
+            obj = (per * torch.where(is_cont, 1.0, float(prompt_weight))).sum()
+            logits = logits[is_cont]  # the KL-to-teacher term below runs on continuation positions
         if teacher_logits is None or kl_weight == 0:
-            return ce, ce.detach()
+            return obj, ce.detach()
         t = temperature
         kl = F.kl_div(F.log_softmax(logits / t, -1), F.log_softmax(teacher_logits.float() / t, -1),
                       log_target=True, reduction="sum") * t * t
-        return ce + kl_weight * kl, ce.detach()
+        return obj + kl_weight * kl, ce.detach()
 
 
 @torch.no_grad()

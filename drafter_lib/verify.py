@@ -7,7 +7,8 @@ here) or a packed model directory (`model/`: only its manifest is checked). Chec
 - `architecture.json`: each prompt file's sha256, each file corpus's `input_sha256`, each model's `sha256` (the
   default teacher's GGUF) or `config_sha256` (a local model dir);
 - the teacher meta `teacher/targets.jsonl.meta.json`: the teacher's weights sha256 and chat-template sha256 (the
-  teacher is loaded for this), its stop ids, and the targets file's sha256 and row count;
+  teacher is loaded for this), its stop ids, the targets file's sha256 and row count, and, when the run stored
+  soft labels, each soft-label part's sha256 and the row count of the parts on disk;
 - the pack's `model/manifest.json`: sha256 and size of every file it lists.
 A missing file is a mismatch too. Exit status 1 when anything does not match, 0 when all does.
 
@@ -178,6 +179,12 @@ def _verify_architecture(layout: RunLayout, report: VerifyReport, corpus_dirs: S
             _check(report, layout, rec, f"{who}.{k}", m[k], path)
 
 
+def _soft_rows(directory: Path) -> int:
+    from .soft_labels import list_parts, part_row_ids
+
+    return sum(len(part_row_ids(p)) for p in list_parts(directory))
+
+
 def _count_rows(path: Path) -> int:
     with open(path, encoding="utf-8") as f:
         return sum(1 for line in f if line.strip())
@@ -237,6 +244,13 @@ def _verify_teacher_meta(layout: RunLayout, report: VerifyReport, teacher_weight
     if out:
         _check(report, layout, rec, "output.sha256", out.get("sha256"), layout.targets)
         _check(report, layout, rec, "output.rows", out.get("rows"), layout.targets, compute=_count_rows)
+        soft = out.get("soft")
+        if soft:  # the soft-label parts: each one's sha256, and the rows all parts on disk hold
+            sdir = layout.targets.parent / soft.get("dir", "")
+            for part in soft.get("parts", []):
+                _check(report, layout, rec, f"output.soft.parts[{part.get('file')}].sha256", part.get("sha256"),
+                       sdir / str(part.get("file")))
+            _check(report, layout, rec, "output.soft.rows", soft.get("rows"), sdir, compute=_soft_rows)
     else:
         report.skipped.append(f"{rec}: no output hash recorded (generation unfinished, or an older run)")
     t = meta.get("teacher", {})

@@ -77,3 +77,68 @@ def test_verify_greedy(models):
         seq += draft[:n] + [toks[n]]
         cached = len(seq) - 1  # cache holds everything but the bonus token
     assert seq[len(ctx):len(ctx) + 8] == target
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def lively(request):
+    """Larger random weights: continuations that do not just repeat one token, so stops land at many steps."""
+    hf = tiny_hf(request.param, tie_word_embeddings=True, vocab_size=61, num_hidden_layers=2, initializer_range=0.3)
+    hf.generation_config.eos_token_id = None
+    return hf, Transformer.from_hf(hf.config.to_dict(), hf.state_dict())
+
+
+def test_continuous_batching_equals_static_and_hf(lively):
+    """More prompts than slots: finished rows are refilled mid-run; rows equal the static schedule and HF."""
+    from drafter_lib.generate import stream_generate
+
+    hf, ours = lively
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 61, (int(n),), generator=g).tolist() for n in torch.randint(1, 30, (11,), generator=g)]
+    free = greedy_generate(ours, prompts, 14, batch_size=11)
+
+    def spread(t):  # distinct row lengths if t were the stop token
+        return len({f.index(t) if t in f else 14 for f in free})
+
+    stop = [max(range(61), key=spread)]  # the stop token that ends rows at the most different steps
+    cont = list(stream_generate(ours, prompts, 14, stop, batch_size=3))
+    static = list(stream_generate(ours, prompts, 14, stop, batch_size=3, refill=False))
+    assert sorted(f.index for f in cont) == list(range(11)) == sorted(f.index for f in static)
+    by_c, by_s = {f.index: f.tokens for f in cont}, {f.index: f.tokens for f in static}
+    lengths = set()
+    for i, p in enumerate(prompts):
+        want = teacher_cut(hf_greedy(hf, p, 14, stop=stop), stop)
+        assert by_c[i] == by_s[i] == want, i
+        lengths.add(len(want))
+    assert len(lengths) >= 3  # the schedule was really exercised
+    assert [f.index for f in cont] != sorted(f.index for f in cont) or len(lengths) == 1  # yielded as they finish
+
+
+def teacher_cut(tokens, stop):
+    for j, t in enumerate(tokens):
+        if t in stop:
+            return tokens[:j + 1]
+    return tokens
+
+
+def test_stream_soft_labels_equal_full_logits(lively):
+    """top-K at every prompt and continuation position == top-K of HF's full-sequence logits (teacher forcing)."""
+    from drafter_lib.generate import stream_generate
+
+    hf, ours = lively
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (6, 1, 17, 9, 12)]
+    K = 5
+    for prompt_topk in (False, True):
+        for f in stream_generate(ours, prompts, 8, (), batch_size=2, topk=K, prompt_topk=prompt_topk):
+            p = prompts[f.index]
+            seq = p + f.tokens
+            with torch.no_grad():
+                ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].float(), -1)
+            start = 0 if prompt_topk else len(p) - 1
+            assert f.soft_start == start and f.soft_ids.shape == (len(seq) - 1 - start, K)
+            assert f.soft_ids.dtype == torch.int32
+            want = ref[start:len(seq) - 1]
+            torch.testing.assert_close(f.soft_logprobs, want.topk(K, -1).values, atol=1e-4, rtol=0)
+            torch.testing.assert_close(want.gather(1, f.soft_ids.long()), f.soft_logprobs, atol=1e-4, rtol=0)
+            # the greedy token is the top-1 of the distribution that produced it
+            assert f.soft_ids[len(p) - 1 - start:, 0].tolist() == f.tokens

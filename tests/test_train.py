@@ -1,6 +1,7 @@
 """Drafter training: loss mask, learning, exact resume, QAT weights that pack exactly, 2-process DDP."""
 import dataclasses
 import json
+import math
 import os
 import socket
 import subprocess
@@ -196,3 +197,103 @@ def test_kl_term_and_fp_only_run(workdir, tmp_path):
         train.run_training(cfg_for(workdir, tmp_path / "bad", kl_weight=0.5))
     with pytest.raises(ValueError, match="unknown TrainConfig keys"):
         TrainConfig.from_dict({"train_path": "x", "stepz": 3})
+
+
+# ---------------------------------------------------------------- soft labels and the top-K losses
+
+@pytest.fixture(scope="module")
+def soft_workdir(workdir, tmp_path_factory):
+    """Teacher data with top-8 soft labels at prompt and continuation positions, written by the teacher stage
+    with the unpruned tiny base as the teacher."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drafter_lib import teacher
+
+    d = tmp_path_factory.mktemp("soft")
+    model = AutoModelForCausalLM.from_pretrained(workdir / "base", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(workdir / "base")
+    words = ["count to five", "abc abc", "hello there", "list colours", "why?", "x y z"]
+    recs = [{"id": f"s{i:02d}", "category": "c", "source": "t",
+             "messages": [{"role": "user", "content": words[i % 6] + " " + str(i)}]} for i in range(30)]
+    teacher.generate_targets(recs, model, tok, d / "targets.jsonl", max_new_tokens=12, batch_size=8,
+                             backend="native", soft_topk=8, soft_prompt=True, progress=False)
+    return d
+
+
+def test_soft_examples_and_collate(soft_workdir):
+    from drafter_lib.soft_labels import soft_dir_for
+    from drafter_lib.train_data import load_examples
+
+    path = soft_workdir / "targets.jsonl"
+    exs = load_examples(path, 40, soft_dir_for(path))
+    e = exs[0]
+    assert e.soft_start == 0 and e.soft_ids.shape == (len(e.ids) - 1, 8) and e.prompt_soft == e.prompt_len - 1
+    assert e.loss_positions(False) == len(e.ids) - e.prompt_len
+    assert e.loss_positions(True) == len(e.ids) - 1
+    short = load_examples(path, e.prompt_len + 2, soft_dir_for(path))[0]  # truncation cuts the soft labels too
+    assert short.soft_ids.shape[0] == len(short.ids) - 1 == e.prompt_len + 1
+    b = train.collate(exs[:3])
+    assert b["soft_ids"].shape == (3, b["input_ids"].shape[1], 8) and b["soft_logprobs"].dtype == torch.float32
+    for i, x in enumerate(exs[:3]):
+        assert b["soft_mask"][i].tolist() == [t < len(x.ids) - 1 for t in range(b["input_ids"].shape[1])]
+        cont = b["targets"][i] != IGNORE
+        # at continuation positions the teacher's top-1 is the greedy target
+        assert torch.equal(b["soft_ids"][i][cont][:, 0], b["targets"][i][cont])
+    plain = train.collate([train.Example("a", [1, 2, 3], 1)])
+    assert set(plain) == {"input_ids", "attention_mask", "targets"}  # no soft labels, no soft keys
+
+
+@pytest.mark.parametrize("loss,on_prompt", [("kl_topk", False), ("tv", False), ("kl_topk", True), ("ce", True),
+                                            ("tv", True)])
+def test_each_loss_trains(workdir, soft_workdir, tmp_path, loss, on_prompt):
+    cfg = cfg_for(workdir, tmp_path / "run", train_path=str(soft_workdir / "targets.jsonl"), steps=14,
+                  qat_steps=0, lr=1e-2, warmup_steps=1, eval_every=100, ckpt_every=100, max_seq_len=64,
+                  loss=loss, loss_on_prompt=on_prompt)
+    res = train.run_training(cfg)
+    tr = [r for r in res["history"] if r["kind"] == "train"]
+    obj = [r["objective"] for r in tr]
+    assert all(math.isfinite(r["loss"]) and r["loss"] > 0 for r in tr) and all(o >= -1e-6 for o in obj)
+    assert sum(obj[-3:]) / 3 < 0.8 * sum(obj[:3]) / 3, obj
+
+
+def test_soft_loss_needs_soft_labels(workdir, soft_workdir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="soft-label"):  # the hard-target file has no soft labels
+        train.run_training(cfg_for(workdir, tmp_path / "a", loss="kl_topk"))
+    with pytest.raises(ValueError, match="loss must be"):
+        train.run_training(cfg_for(workdir, tmp_path / "b", loss="kl"))
+    # a loss only on continuation positions trains from a soft dir given explicitly
+    from drafter_lib.soft_labels import soft_dir_for
+
+    res = train.run_training(cfg_for(workdir, tmp_path / "c", train_path=str(soft_workdir / "targets.jsonl"),
+                                     soft_labels=str(soft_dir_for(soft_workdir / "targets.jsonl")), loss="tv",
+                                     steps=2, qat_steps=1, eval_every=100, max_seq_len=64))
+    assert res["done"] and all("objective" in r for r in res["history"] if r["kind"] == "train")
+    # loss on prompt positions needs them stored (teacher soft_prompt=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from drafter_lib import teacher
+
+    model = AutoModelForCausalLM.from_pretrained(workdir / "base", dtype=torch.float32).eval()
+    recs = [{"id": f"n{i}", "messages": [{"role": "user", "content": f"q {i}"}]} for i in range(6)]
+    teacher.generate_targets(recs, model, AutoTokenizer.from_pretrained(workdir / "base"), tmp_path / "n.jsonl",
+                             max_new_tokens=6, backend="native", soft_topk=4, progress=False)
+    with pytest.raises(ValueError, match="prompt positions"):
+        train.run_training(cfg_for(workdir, tmp_path / "d", train_path=str(tmp_path / "n.jsonl"), loss="ce",
+                                   loss_on_prompt=True, max_seq_len=64))
+
+
+def test_loss_ablation_rows(workdir, soft_workdir, tmp_path):
+    """The ablation helper: short runs per loss variant -> held-out acceptance rows; a rerun reuses them."""
+    from drafter_lib.ablation import loss_ablation, variant_name
+    from drafter_lib.teacher import read_rows
+
+    rows = read_rows(soft_workdir / "targets.jsonl")[:4]
+    prompts, refs = [r["prompt_ids"] for r in rows], [r["continuation_ids"] for r in rows]
+    base = cfg_for(workdir, tmp_path / "unused", train_path=str(soft_workdir / "targets.jsonl"), steps=3,
+                   eval_every=100, ckpt_every=100, max_seq_len=64)
+    variants = [{"loss": "ce"}, {"loss": "kl_topk", "loss_on_prompt": True}]
+    out = loss_ablation(base, variants, prompts, refs, tmp_path / "abl", k=4)
+    assert [r["name"] for r in out] == ["ce", "kl_topk_loss_on_prompt-True"] == [variant_name(v) for v in variants]
+    for r in out:
+        assert 1.0 <= r["mal"] <= 5.0 and len(r["per_position"]) == 4 and r["reference_tokens"] == sum(map(len, refs))
+    assert loss_ablation(base, variants, prompts, refs, tmp_path / "abl", k=4) == out  # reused, not retrained

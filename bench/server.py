@@ -190,6 +190,9 @@ def main(argv=None) -> None:
             info = c.info()
         vocab = info["vocab_size"]
         max_len = min(args.max_len, info["max_context"] - args.k - 1)
+        import torch
+
+        print(f"cpu capability {torch.backends.cpu.get_cpu_capability()} (server side: the same machine)")
         print(f"server {url}  model {info['server']['model_dir']}  vocab {vocab}  k={args.k}  "
               f"prompt_len={args.prompt_len}  accept_p={args.accept_p}  bounds: {args.requests} requests / "
               f"{args.duration:.0f}s per phase", flush=True)

@@ -158,7 +158,8 @@ def main():
 
     cfg = next(iter(engines.values())).config
     print(f"\nmodel: {cfg.arch} layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size} "
-          f"cpu={torch.backends.cpu.get_cpu_capability()} threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} k={k} "
+          f"cpu={torch.backends.cpu.get_cpu_capability()} threads={torch.get_num_threads()} "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} k={k} "
           f"warm: +{args.accepted} accepted +1 bonus per request (median of {args.reps}, interleaved)")
     print(f"{'ctx':>5} {'system':>14} | {'latency':>10} {'tok/s':>7} | {'HF/this':>7} {'cold/this':>9}")
     for n in args.contexts:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from . import train_data
 from .checkpoint import (
     CKPT_DIR,
     latest_checkpoint,
@@ -113,17 +114,6 @@ class TrainConfig:
     @property
     def total_steps(self) -> int:
         return self.steps + self.qat_steps
-
-    @property
-    def uses_soft_labels(self) -> bool:
-        return self.loss != "ce" or self.loss_on_prompt
-
-    def soft_dir(self, targets_path: str) -> str:
-        """Soft labels of a targets file: `soft_labels` for the training file, else the default dir beside it."""
-        from drafter_lib.soft_labels import soft_dir_for
-
-        return self.soft_labels if self.soft_labels and targets_path == self.train_path else str(
-            soft_dir_for(targets_path))
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainConfig:
@@ -204,18 +194,17 @@ class Trainer:
         random.seed(cfg.seed)
         np.random.seed(cfg.seed)
 
-        soft = cfg.uses_soft_labels
-        exs = load_examples(cfg.train_path, cfg.max_seq_len, cfg.soft_dir(cfg.train_path) if soft else None)
+        soft = train_data.soft_dir_of
+        exs = load_examples(cfg.train_path, cfg.max_seq_len, soft(cfg, cfg.train_path))
         if cfg.val_path:
-            val = load_examples(cfg.val_path, cfg.max_seq_len, cfg.soft_dir(cfg.val_path) if soft else None)
-            self.train_ex, self.val_ex = exs, val
+            self.train_ex, self.val_ex = exs, load_examples(cfg.val_path, cfg.max_seq_len, soft(cfg, cfg.val_path))
         else:
             self.train_ex, self.val_ex = split_val(exs, cfg.val_fraction)
+        if cfg.loss_on_prompt and not any(e.prompt_soft for e in self.train_ex):
+            raise ValueError("loss_on_prompt needs soft labels at prompt positions (teacher soft_prompt=True)")
         self.stream = BatchStream(self.train_ex, cfg)
         self.model, self.tok = build_base_model(cfg)
         self.teacher = None
-        if cfg.loss_on_prompt and not any(e.prompt_soft for e in self.train_ex):
-            raise ValueError("loss_on_prompt needs soft labels at prompt positions (teacher soft_prompt=True)")
         if cfg.kl_weight > 0:
             from drafter_lib import hf_models
             self.teacher, _ = hf_models.load_teacher(cfg.teacher_model)
@@ -273,9 +262,8 @@ class Trainer:
 
     # -- one step
     def _micro_batches(self):
-        """This process's micro-batches for the next optimizer step, the target-token count and the loss-position
-        count of the whole global step (all processes, all accumulation steps) - known up front since batches are
-        deterministic."""
+        """This process's micro-batches for the next optimizer step, the target-token and loss-position counts of
+        the whole global step (all processes and accumulation steps) - known up front: batches are deterministic."""
         W, A, r = self.acc.num_processes, self.cfg.grad_accum, self.acc.process_index
         global_idx = [self.stream[self.data_pos + i] for i in range(W * A)]
         n_tok = sum(len(self.train_ex[j].ids) - self.train_ex[j].prompt_len for b in global_idx for j in b)
@@ -310,7 +298,7 @@ class Trainer:
         self.step += 1
         loss = self.acc.reduce(ce_sum, reduction="sum").item() / n_tok
         rec = {"loss": loss, "lr": lr, "tokens": n_tok, "grad_norm": None if gnorm is None else float(gnorm)}
-        if cfg.uses_soft_labels:  # the objective itself, per loss position (the default run logs only the CE)
+        if cfg.loss != "ce" or cfg.loss_on_prompt:  # the objective per loss position (default runs log only CE)
             rec["objective"] = self.acc.reduce(obj_sum, reduction="sum").item() / n_loss
         return rec
 

@@ -16,7 +16,7 @@ import torch
 IGNORE = -100
 
 __all__ = ["IGNORE", "Example", "load_examples", "split_val", "target_ids", "collate", "epoch_batches",
-           "BatchStream"]
+           "BatchStream", "soft_dir_of"]
 
 
 @dataclass
@@ -63,6 +63,16 @@ def load_examples(path: str | os.PathLike, max_seq_len: int, soft_dir: str | os.
             n = max(0, len(e.ids) - 1 - s.start)  # positions with a next token inside the truncated row
             e.soft_start, e.soft_ids, e.soft_logprobs = s.start, s.ids[:n], s.logprobs[:n]
     return out
+
+
+def soft_dir_of(cfg, targets_path: str) -> str | None:
+    """The soft-label dir a TrainConfig reads for a targets file: None when its objective needs none; its
+    `soft_labels` for the training file; else the default dir beside the file (`soft_labels.soft_dir_for`)."""
+    from drafter_lib.soft_labels import soft_dir_for
+
+    if cfg.loss == "ce" and not cfg.loss_on_prompt:
+        return None
+    return cfg.soft_labels if cfg.soft_labels and targets_path == cfg.train_path else str(soft_dir_for(targets_path))
 
 
 def split_val(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:

@@ -7,8 +7,6 @@ import json
 from collections import OrderedDict
 from pathlib import Path
 
-import torch
-
 from .copy_policy import CopyPolicy
 from .model_dir import read_copy_policy
 
@@ -32,9 +30,9 @@ def hf_config_dict(config) -> dict:
 
 def load_hf_checkpoint(path: str | Path) -> tuple[dict, dict]:
     """(hf_config dict, fp32 state dict) of a saved HF model dir (e.g. train's best_distill/)."""
-    from transformers import AutoModelForCausalLM
+    from .draft_vocab import load_hf_drafter
 
-    m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    m = load_hf_drafter(path)
     return hf_config_dict(m.config), {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 

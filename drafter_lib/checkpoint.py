@@ -19,14 +19,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from .io_utils import atomic_write_text, write_json
+from .io_utils import atomic_write_text, to_jsonable, write_json
 from .layout import TrainLayout
 
 CKPT_DIR = "checkpoints"
 HISTORY_KEYS = ["step", "phase", "kind", "loss", "lr", "tokens_per_s", "grad_norm"]
 
 __all__ = ["CKPT_DIR", "rng_state", "set_rng_state", "latest_checkpoint", "save_checkpoint", "read_checkpoint",
-           "save_hf", "write_history"]
+           "save_hf", "write_history", "portable_config"]
 
 
 def rng_state() -> dict:
@@ -119,3 +119,16 @@ def write_history(history: list[dict], out_dir: Path):
     w.writeheader()
     w.writerows(history)
     atomic_write_text(paths.history_csv, buf.getvalue())
+
+
+def portable_config(cfg) -> dict:
+    """TrainConfig as a dict for train_config.json, with file paths relative to out_dir: the record must not
+    carry the machine's absolute paths (and stays valid when the run directory moves)."""
+    d = to_jsonable(cfg)
+    out = Path(cfg.out_dir).resolve()
+    for k in ("train_path", "val_path", "base_model", "teacher_model", "soft_labels"):
+        v = d.get(k)
+        if isinstance(v, str) and v and Path(v).exists():  # hub ids / default model names stay as they are
+            d[k] = os.path.relpath(Path(v).resolve(), out).replace(os.sep, "/")
+    d["out_dir"] = "."
+    return d

@@ -138,6 +138,27 @@ def reduce_hf_model(model, ids: torch.Tensor):
     return model
 
 
+def reduce_for_continuations(model, tokenizer, continuations: Iterable[Sequence[int]], size: int) -> torch.Tensor:
+    """Reduce a transformers drafter's head (in place) to the `size` tokens most frequent in the teacher's
+    `continuations`, its stop tokens always included; returns the ids."""
+    from .teacher import stop_token_ids
+
+    ids = select_ids(token_counts(continuations), size, int(model.config.vocab_size),
+                     always=stop_token_ids(tokenizer))
+    reduce_hf_model(model, ids)
+    return ids
+
+
+def full_vocab_logits(logits: torch.Tensor, ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Logits over a reduced head [..., N] -> [..., vocab_size] with -inf outside the draft vocabulary, so an argmax
+    (greedy decoding, verification) yields full-vocabulary ids. No-op without a draft vocabulary."""
+    if ids is None:
+        return logits
+    full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+    full[..., ids.to(logits.device)] = logits
+    return full
+
+
 def head_targets(targets: torch.Tensor, ids: torch.Tensor, vocab_size: int, ignore: int = -100) -> torch.Tensor:
     """Full-vocabulary target ids -> head row indices; targets outside the draft vocab (and `ignore`) -> ignore,
     so the loss is taken over the draft vocabulary only."""

@@ -54,9 +54,9 @@ def pack_checkpoint(hf_model_or_state_dict, hf_config, out_dir, qconfig, copy_po
 
 
 def _load_hf(path) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    from .draft_vocab import load_hf_drafter
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load_hf_drafter(path).eval()
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from .draft_vocab import full_vocab_logits
 from .io_utils import check_token_ids
 from .model import KVCache, Transformer
 
@@ -129,7 +130,9 @@ class HFTarget:
             kw[self._keep_kw] = keep
         ids = torch.tensor([list(new_tokens)], dtype=torch.long, device=self.device)
         logits = self.model(input_ids=ids, use_cache=True, **kw).logits[0]
-        return (logits[-keep:] if keep else logits).float()
+        logits = (logits[-keep:] if keep else logits).float()
+        # a drafter with a reduced draft-vocabulary head (greedy references of it) still speaks full-vocabulary ids
+        return full_vocab_logits(logits, getattr(self.model, "draft_vocab_ids", None), self.vocab_size)
 
     def rollback(self, n: int) -> None:
         remove = self.cached_len - n
@@ -172,7 +175,8 @@ class NativeTarget:
                 kept.append(h[0, lo:])
         self.cached_len = end
         self.cache.lengths[0] = end
-        return self.model.lm_head(torch.cat(kept)).float()
+        logits = self.model.lm_head(torch.cat(kept)).float()
+        return full_vocab_logits(logits, self.model.draft_vocab_ids, self.vocab_size)
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.cached_len:

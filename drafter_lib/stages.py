@@ -219,14 +219,12 @@ def quant_config(cfg: C.StudyConfig, run: RunLayout):
 def pack_run(cfg: C.StudyConfig, run: RunLayout) -> dict:
     """Pack the chosen checkpoint into the run's model/; -> {"model_dir", "checkpoint", "qconfig", "sizes",
     "fp32_bytes", "weight_errors" (per-tensor rows of pack.weight_error_table)}."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from . import pack
+    from .draft_vocab import load_hf_drafter
     from .model_dir import read_model_dir
 
     ckpt, qconfig = run.train.checkpoint(cfg.pack.checkpoint), quant_config(cfg, run)
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model = load_hf_drafter(ckpt).eval()  # a reduced draft-vocabulary head loads too
     out = pack.pack_checkpoint(model, model.config, run.model_dir, qconfig,
                                copy_policy=to_jsonable(cfg.pack.copy_policy),
                                extra_manifest={"run": run.name, "checkpoint": cfg.pack.checkpoint})

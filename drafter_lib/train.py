@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import random
 import shutil
 import time
@@ -41,13 +40,15 @@ from . import train_data
 from .checkpoint import (
     CKPT_DIR,
     latest_checkpoint,
+    portable_config,
     read_checkpoint,
     save_checkpoint,
     save_hf,
     set_rng_state,
     write_history,
 )
-from .io_utils import to_jsonable, write_json
+from .draft_vocab import head_targets, reduce_for_continuations
+from .io_utils import write_json
 from .plots import plot_losses
 from .train_data import IGNORE, BatchStream, Example, collate, epoch_batches, load_examples, split_val, target_ids
 from .train_loss import LOSSES, LossModule, lr_lambda, make_optimizer, teacher_target_logits
@@ -82,6 +83,7 @@ class TrainConfig:
     loss_on_prompt: bool = False        # soft-labelled prompt positions are loss positions too
     prompt_loss_weight: float = 1.0     # their weight against a continuation position
     soft_labels: str | None = None      # soft-label dir; None: <train_path stem>.soft beside the targets
+    draft_vocab_size: int | None = None  # head over the N most frequent continuation tokens (draft_vocab.py)
     # optimisation, phase 1
     steps: int = 1000
     lr: float = 3e-4
@@ -137,6 +139,10 @@ class TrainConfig:
             raise ValueError(f"prompt_loss_weight must be >= 0, got {self.prompt_loss_weight}")
         if self.kl_weight > 0 and not self.teacher_model:
             raise ValueError("kl_weight > 0 needs teacher_model")
+        if self.draft_vocab_size is not None and (self.draft_vocab_size < 1 or self.loss != "ce"
+                                                  or self.loss_on_prompt or self.kl_weight > 0):
+            raise ValueError(f"draft_vocab_size must be >= 1 and goes with loss='ce' only (soft labels cover the "
+                             f"full vocabulary), got {self.draft_vocab_size} with loss={self.loss!r}")
         for k in ("batch_size", "grad_accum", "max_seq_len", "eval_every", "ckpt_every", "log_every"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
@@ -160,19 +166,6 @@ def build_base_model(cfg: TrainConfig):
         model, _ = hf_models.prune_layers(model, cfg.keep_layers)
     model.train()
     return model, tok
-
-
-def portable_config(cfg: TrainConfig) -> dict:
-    """TrainConfig as a dict for train_config.json, with file paths relative to out_dir: the record must not
-    carry the machine's absolute paths (and stays valid when the run directory moves)."""
-    d = to_jsonable(cfg)
-    out = Path(cfg.out_dir).resolve()
-    for k in ("train_path", "val_path", "base_model", "teacher_model", "soft_labels"):
-        v = d.get(k)
-        if isinstance(v, str) and v and Path(v).exists():  # hub ids / default model names stay as they are
-            d[k] = os.path.relpath(Path(v).resolve(), out).replace(os.sep, "/")
-    d["out_dir"] = "."
-    return d
 
 
 # ---------------------------------------------------------------- the loop
@@ -206,6 +199,11 @@ class Trainer:
             raise ValueError("loss_on_prompt needs soft labels at prompt positions (teacher soft_prompt=True)")
         self.stream = BatchStream(self.train_ex, cfg)
         self.model, self.tok = build_base_model(cfg)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.head_ids = None
+        if cfg.draft_vocab_size:  # ids are a pure function of the data: a resumed run picks the same ones
+            self.head_ids = reduce_for_continuations(self.model, self.tok, [e.ids[e.prompt_len:] for e in
+                                                                            self.train_ex], cfg.draft_vocab_size)
         self.teacher = None
         if cfg.kl_weight > 0:
             from drafter_lib import hf_models
@@ -214,6 +212,14 @@ class Trainer:
         self.step, self.data_pos, self.phase = 0, 0, "distill" if cfg.steps > 0 else "qat"
         self.best = {"distill": math.inf, "qat": math.inf}
         self.history: list[dict] = []
+
+    def _on_device(self, batch: dict) -> dict:
+        """A collated batch on the device; with a draft vocab, targets become head rows and tokens outside it
+        carry no loss (they stay in the step's normalisation as loss-free positions)."""
+        batch = {k: v.to(self.acc.device) for k, v in batch.items()}
+        if self.head_ids is not None:
+            batch["targets"] = head_targets(batch["targets"], self.head_ids, self.vocab_size, IGNORE)
+        return batch
 
     # -- phases
     def _prepare(self, phase: str):
@@ -230,8 +236,8 @@ class Trainer:
 
     def _enter_qat(self):
         if self.cfg.qat_init == "best" and self.paths.best_distill.exists():
-            from transformers import AutoModelForCausalLM
-            best = AutoModelForCausalLM.from_pretrained(self.paths.best_distill, dtype=torch.float32)
+            from drafter_lib.draft_vocab import load_hf_drafter
+            best = load_hf_drafter(self.paths.best_distill)
             self.model.load_state_dict(best.state_dict())
         self._prepare("qat")
 
@@ -279,7 +285,7 @@ class Trainer:
         ce_sum = torch.zeros((), device=dev)
         obj_sum = torch.zeros((), device=dev)
         for a, batch in enumerate(batches):
-            batch = {k: v.to(dev) for k, v in batch.items()}
+            batch = self._on_device(batch)
             tl = teacher_target_logits(self.teacher, batch) if self.teacher is not None else None
             sync = a == len(batches) - 1
             ctx = self.acc.no_sync(self.loss_mod) if not sync else contextlib.nullcontext()
@@ -314,7 +320,7 @@ class Trainer:
         batches = [order[i:i + bs] for i in range(0, len(order), bs)][:self.cfg.max_eval_batches]
         tot = torch.zeros(2, dtype=torch.float64, device=self.acc.device)
         for b in batches[self.acc.process_index::self.acc.num_processes]:
-            batch = {k: v.to(self.acc.device) for k, v in collate([self.val_ex[i] for i in b]).items()}
+            batch = self._on_device(collate([self.val_ex[i] for i in b]))
             with self.acc.autocast():
                 _, ce = self.acc.unwrap_model(self.loss_mod)(**batch)
             tot[0] += ce.double()

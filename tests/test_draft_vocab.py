@@ -138,3 +138,21 @@ def test_engine_drafts_full_vocabulary_ids_from_a_reduced_head(tmp_path, dtype):
                 s.append(int(native.full_ids(logits.argmax())))
                 want.append(s[-1])
         assert list(draft) == want and set(draft) <= set(ids.tolist())
+
+
+def test_greedy_decoding_of_a_reduced_head_speaks_full_ids():
+    """The speculative loop's targets map a reduced head to full-vocabulary ids (04_pack's reference drafts)."""
+    from drafter_lib.speculative import greedy_decode
+
+    hf = tiny_hf("llama", vocab_size=V, tie_word_embeddings=True)
+    ids = torch.arange(2, V, 5)
+    DV.reduce_hf_model(hf, ids)
+    native = Transformer.from_hf(hf.config.to_dict(), hf.state_dict())
+    prompt = [3, 9, 27, 81]
+    want, seq = [], list(prompt)
+    with torch.no_grad():
+        for _ in range(6):
+            seq.append(int(native.full_ids(native(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1].argmax())))
+            want.append(seq[-1])
+    assert greedy_decode(hf, prompt, 6) == want == greedy_decode(native, prompt, 6)
+    assert set(want) <= set(ids.tolist())

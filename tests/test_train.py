@@ -297,3 +297,26 @@ def test_loss_ablation_rows(workdir, soft_workdir, tmp_path):
     for r in out:
         assert 1.0 <= r["mal"] <= 5.0 and len(r["per_position"]) == 4 and r["reference_tokens"] == sum(map(len, refs))
     assert loss_ablation(base, variants, prompts, refs, tmp_path / "abl", k=4) == out  # reused, not retrained
+
+
+def test_reduced_draft_vocab_trains_packs_and_drafts_full_ids(workdir, tmp_path):
+    """draft_vocab_size: the head covers the most frequent continuation tokens (stop tokens always), training
+    learns the repetitive continuations through it, and the packed drafter drafts full-vocabulary ids."""
+    from drafter_lib import draft_vocab as DV
+    from drafter_lib.engine import DraftEngine
+    from drafter_lib.pack import pack_checkpoint
+
+    cfg = cfg_for(workdir, tmp_path / "dv", draft_vocab_size=24, steps=12, qat_steps=0, lr=1e-2)
+    res = train.run_training(cfg)
+    best = DV.load_hf_drafter(tmp_path / "dv" / "best")
+    ids = best.draft_vocab_ids.tolist()
+    assert len(ids) == 24 and set(range(40, 48)) <= set(ids) and 258 in ids  # continuation tokens + stop token
+    assert best.lm_head.weight.shape[0] == 24 and best.config.draft_vocab["size"] == 24
+    val = [h["loss"] for h in res["history"] if h["kind"] == "val"]
+    assert val[-1] < val[0]  # learns through the reduced head
+    out = pack_checkpoint(best, best.config, tmp_path / "model", QUANT)
+    engine = DraftEngine.from_dir(out, dtype="float32", copy_policy={"enabled": False})
+    draft = engine.draft([12, 55, 100, 41, 42, 43], 6)
+    assert len(draft) == 6 and set(draft) <= set(ids)
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        cfg_for(workdir, tmp_path / "bad", draft_vocab_size=24, loss="tv").validate()

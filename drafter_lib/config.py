@@ -63,6 +63,8 @@ class TeacherConfig:
     max_new_tokens: int = 64
     batch_size: int = 32
     backend: str = "auto"  # auto | native | hf
+    soft_topk: int = 0  # also store the teacher's top-K log-probs per continuation token (0: off)
+    soft_prompt: bool = False  # ... and at prompt positions (for train.loss_on_prompt)
 
 
 @dataclass

@@ -142,6 +142,12 @@ def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = Tr
     _at_least(t.max_new_tokens, 1, "teacher.max_new_tokens")
     _at_least(t.batch_size, 1, "teacher.batch_size")
     _need(t.backend in BACKENDS, "teacher.backend", f"expected one of {BACKENDS}, got {t.backend!r}")
+    _at_least(t.soft_topk, 0, "teacher.soft_topk")
+    _need(not t.soft_prompt or t.soft_topk > 0, "teacher.soft_prompt", "needs teacher.soft_topk > 0")
+    tr = cfg.train
+    _need(tr.loss == "ce" or t.soft_topk > 0, "train.loss", f"{tr.loss!r} trains on soft labels: set "
+          "teacher.soft_topk > 0")
+    _need(not tr.loss_on_prompt or t.soft_prompt, "train.loss_on_prompt", "needs teacher.soft_prompt = true")
     # train, quant, pack, eval
     _check_train(cfg)
     _check_quant(cfg)

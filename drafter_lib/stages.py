@@ -140,7 +140,7 @@ def generate_targets(cfg: C.StudyConfig, run: RunLayout):
     t = cfg.teacher
     stats = teacher.generate_targets(data.load_prompt_file(run.train_prompts), model, tok, run.targets,
                                      max_new_tokens=t.max_new_tokens, batch_size=t.batch_size, backend=t.backend,
-                                     teacher_id=cfg.study.teacher)
+                                     teacher_id=cfg.study.teacher, soft_topk=t.soft_topk, soft_prompt=t.soft_prompt)
     write_json(run.teacher_stats, stats)
     return stats, tok
 

@@ -86,7 +86,7 @@ def prepare_data(targets: str | Path, out: LayerStudyLayout, fractions: Sequence
     nested training subsets train_f<frac>.jsonl (a seeded shuffle, first round(frac * n) rows).
     Returns (val path, {fraction: (train path, rows)})."""
     from .teacher import read_rows
-    from .train import load_examples, split_val
+    from .train_data import load_examples, split_val
 
     rows = read_rows(targets)
     if not rows:
@@ -210,6 +210,7 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
     from . import baselines as B
     from . import hf_models, stages
     from . import train as T
+    from .checkpoint import CKPT_DIR
 
     run = RunLayout.of(run_dir)
     out = LayerStudyLayout(RunLayout.of(out_dir).root) if out_dir else run.layer_study
@@ -309,7 +310,7 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
         done[key] = row
         rows.append(row)
         if not keep_weights:
-            for sub in (run_out.root / T.CKPT_DIR, run_out.best_distill, run_out.best):
+            for sub in (run_out.root / CKPT_DIR, run_out.best_distill, run_out.best):
                 shutil.rmtree(sub, ignore_errors=True)
     bar.close()
     return rows

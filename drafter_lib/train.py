@@ -38,7 +38,6 @@ from tqdm.auto import tqdm
 
 from . import train_data
 from .checkpoint import (
-    CKPT_DIR,
     latest_checkpoint,
     portable_config,
     read_checkpoint,
@@ -49,16 +48,12 @@ from .checkpoint import (
 )
 from .draft_vocab import head_targets, reduce_for_continuations
 from .io_utils import write_json
-from .plots import plot_losses
-from .train_data import IGNORE, BatchStream, Example, collate, epoch_batches, load_examples, split_val, target_ids
-from .train_loss import LOSSES, LossModule, lr_lambda, make_optimizer, teacher_target_logits
-
-# Re-exported: the notebooks, layer_study and tests reach these through `drafter_lib.train`.
-__all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "build_base_model", "portable_config",
-           "IGNORE", "CKPT_DIR", "Example", "BatchStream", "collate", "epoch_batches", "load_examples", "split_val",
-           "target_ids", "LossModule", "lr_lambda", "make_optimizer", "teacher_target_logits", "latest_checkpoint",
-           "save_hf", "write_history", "plot_losses"]
 from .layout import TrainLayout
+from .plots import plot_losses
+from .train_data import IGNORE, BatchStream, collate, load_examples, split_val
+from .train_loss import LOSSES, LossModule, make_optimizer, teacher_target_logits
+
+__all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "build_base_model"]
 
 
 @dataclass

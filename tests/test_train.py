@@ -12,8 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafter_lib import train
-from drafter_lib.train import IGNORE, TrainConfig
+from drafter_lib import checkpoint, train, train_data, train_loss
+from drafter_lib.train import TrainConfig
+from drafter_lib.train_data import IGNORE
 
 INT8_ROWS = {"bits": 8, "group_size": None, "scale_dtype": "float16"}
 QUANT = {"default": {"bits": 4, "group_size": 32, "scale_dtype": "float16"},
@@ -50,8 +51,8 @@ def cfg_for(workdir, out, **kw):
 
 
 def test_targets_cover_only_continuation():
-    ex = [train.Example("a", [1, 2, 3, 4, 5, 6], 4), train.Example("b", [7, 8, 9], 1)]
-    b = train.collate(ex, pad_id=0)
+    ex = [train_data.Example("a", [1, 2, 3, 4, 5, 6], 4), train_data.Example("b", [7, 8, 9], 1)]
+    b = train_data.collate(ex, pad_id=0)
     assert b["input_ids"].tolist() == [[1, 2, 3, 4, 5, 6], [7, 8, 9, 0, 0, 0]]
     assert b["attention_mask"].tolist() == [[1] * 6, [1, 1, 1, 0, 0, 0]]
     # position t predicts token t+1; only continuation tokens (index >= prompt_len) are targets
@@ -61,16 +62,16 @@ def test_targets_cover_only_continuation():
 
 def test_batches_deterministic_and_cover_epoch():
     lengths = [5, 9, 3, 7, 7, 2, 11, 4, 6, 8]
-    a = train.epoch_batches(lengths, 3, 2, seed=0, epoch=0)
-    assert a == train.epoch_batches(lengths, 3, 2, seed=0, epoch=0)
-    assert a != train.epoch_batches(lengths, 3, 2, seed=0, epoch=1)
+    a = train_data.epoch_batches(lengths, 3, 2, seed=0, epoch=0)
+    assert a == train_data.epoch_batches(lengths, 3, 2, seed=0, epoch=0)
+    assert a != train_data.epoch_batches(lengths, 3, 2, seed=0, epoch=1)
     assert sorted(i for b in a for i in b) == list(range(10))
 
 
 def test_lr_schedule():
-    f = lambda s: train.lr_lambda(s, 10, 2, "cosine", 0.1)
+    f = lambda s: train_loss.lr_lambda(s, 10, 2, "cosine", 0.1)
     assert f(0) == 0.5 and f(1) == 1.0 and abs(f(10) - 0.1) < 1e-9 and f(5) > f(7)
-    assert abs(train.lr_lambda(6, 10, 2, "linear", 0.0) - 0.5) < 1e-9
+    assert abs(train_loss.lr_lambda(6, 10, 2, "linear", 0.0) - 0.5) < 1e-9
 
 
 def test_loss_decreases_and_outputs(workdir, tmp_path):
@@ -100,7 +101,7 @@ def test_loss_decreases_and_outputs(workdir, tmp_path):
 
 def _final_weights(out):
     return load_file(str(Path(out) / "best" / "model.safetensors")), \
-        torch.load(train.latest_checkpoint(out) / "model.pt")
+        torch.load(checkpoint.latest_checkpoint(out) / "model.pt")
 
 
 def test_resume_gives_identical_weights(workdir, tmp_path):
@@ -109,9 +110,9 @@ def test_resume_gives_identical_weights(workdir, tmp_path):
     # interrupted twice: in the distill phase (resumes from step 3) and in the QAT phase (resumes from step 9)
     part = tmp_path / "part"
     assert train.run_training(cfg_for(workdir, part, stop_at_step=5))["step"] == 5
-    assert train.latest_checkpoint(part).name == "step_0000003"
+    assert checkpoint.latest_checkpoint(part).name == "step_0000003"
     assert train.run_training(cfg_for(workdir, part, stop_at_step=10))["step"] == 10
-    assert train.latest_checkpoint(part).name == "step_0000009"
+    assert checkpoint.latest_checkpoint(part).name == "step_0000009"
     res = train.run_training(cfg_for(workdir, part))
     assert res["done"] and res["best"] == full["best"]
     (a_best, a_last), (b_best, b_last) = _final_weights(tmp_path / "full"), _final_weights(part)
@@ -172,13 +173,13 @@ def test_two_process_cpu_run_matches_single_process(workdir, tmp_path):
            "-m", "drafter_lib.train", "--config", str(tmp_path / "cfg.json")]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
-    state = json.loads((train.latest_checkpoint(tmp_path / "ddp") / "state.json").read_text())
+    state = json.loads((checkpoint.latest_checkpoint(tmp_path / "ddp") / "state.json").read_text())
     assert state["num_processes"] == 2 and state["step"] == 5 and state["data_pos"] == 10
 
     single = train.run_training(cfg_for(workdir, tmp_path / "one", steps=3, qat_steps=2, ckpt_every=100,
                                         eval_every=100, grad_accum=2))
-    a = torch.load(train.latest_checkpoint(tmp_path / "ddp") / "model.pt")
-    b = torch.load(train.latest_checkpoint(tmp_path / "one") / "model.pt")
+    a = torch.load(checkpoint.latest_checkpoint(tmp_path / "ddp") / "model.pt")
+    b = torch.load(checkpoint.latest_checkpoint(tmp_path / "one") / "model.pt")
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=2e-5, rtol=1e-4)
     assert single["best"].keys() == state["best"].keys()
@@ -232,14 +233,14 @@ def test_soft_examples_and_collate(soft_workdir):
     assert e.loss_positions(True) == len(e.ids) - 1
     short = load_examples(path, e.prompt_len + 2, soft_dir_for(path))[0]  # truncation cuts the soft labels too
     assert short.soft_ids.shape[0] == len(short.ids) - 1 == e.prompt_len + 1
-    b = train.collate(exs[:3])
+    b = train_data.collate(exs[:3])
     assert b["soft_ids"].shape == (3, b["input_ids"].shape[1], 8) and b["soft_logprobs"].dtype == torch.float32
     for i, x in enumerate(exs[:3]):
         assert b["soft_mask"][i].tolist() == [t < len(x.ids) - 1 for t in range(b["input_ids"].shape[1])]
         cont = b["targets"][i] != IGNORE
         # at continuation positions the teacher's top-1 is the greedy target
         assert torch.equal(b["soft_ids"][i][cont][:, 0], b["targets"][i][cont])
-    plain = train.collate([train.Example("a", [1, 2, 3], 1)])
+    plain = train_data.collate([train_data.Example("a", [1, 2, 3], 1)])
     assert set(plain) == {"input_ids", "attention_mask", "targets"}  # no soft labels, no soft keys
 
 

@@ -65,7 +65,7 @@ def build_hf_and_pack(args, out_dir: Path):
         model_dir = Path(args.model_dir)
     else:
         if args.tiny:
-            from drafter_lib.hf_models import tiny_random_model
+            from drafter_lib.tiny_models import tiny_random_model
 
             hf = tiny_random_model("llama")
             hf = hf[0] if isinstance(hf, tuple) else hf

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from .io_utils import write_json, write_jsonl
 from .layout import repo_relative
-from .model_dir import sha256_file  # noqa: F401  (data.sha256_file: tests and callers hash files through here)
+from .model_dir import sha256_file
 from .prompt_files import (  # noqa: F401  (the readers are part of this module's API)
     KEEP_ROLES,
     humaneval_path,

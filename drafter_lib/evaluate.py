@@ -24,7 +24,8 @@ from .acceptance import simulate
 from .baselines import load_hf_checkpoint, standard_baselines
 from .io_utils import read_jsonl, write_json, write_jsonl
 from .speculative import as_target, mean_acceptance_length, speculative_generate
-from .teacher import encode_chat, make_backend, prompt_messages, stop_token_ids
+from .teacher import encode_chat, prompt_messages, stop_token_ids
+from .teacher_backends import make_backend
 
 __all__ = ["load_eval_prompts", "spread_over_categories", "encode_records", "greedy_references", "cached_references",
            "end_to_end", "run_evaluation", "baselines_table", "write_metrics", "save_plots", "main"]

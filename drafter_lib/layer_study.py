@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from . import config as C
 from .io_utils import read_json, read_jsonl, write_jsonl
-from .layer_report import plot_layer_study, results_table  # noqa: F401  (part of this module's API)
+from .layer_report import plot_layer_study, results_table
 from .layout import LayerStudyLayout, RunLayout, repo_relative
 
 # TrainConfig fields the study sets itself; overriding them would break the comparison

@@ -41,7 +41,7 @@ from .soft_labels import (
     soft_dir_for,
     stored_row_ids,
 )
-from .teacher_backends import HFBackend, NativeBackend, make_backend  # noqa: F401  (re-exported)
+from .teacher_backends import make_backend
 
 FORMAT_VERSION = 1
 

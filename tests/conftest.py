@@ -25,15 +25,15 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def byte_tok():
     """The offline byte-level tokenizer with a ChatML template (vocab 259)."""
-    from drafter_lib.hf_models import byte_tokenizer
+    from drafter_lib.tiny_models import byte_tokenizer
 
     return byte_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tiny_random():
-    """Factory over hf_models.tiny_random_model with the byte tokenizer unless told otherwise: (model, tokenizer)."""
-    from drafter_lib.hf_models import tiny_random_model
+    """Factory over tiny_models.tiny_random_model with the byte tokenizer unless told otherwise: (model, tokenizer)."""
+    from drafter_lib.tiny_models import tiny_random_model
 
     def make(arch: str = "llama", **kw):
         kw.setdefault("tokenizer", "bytes")
@@ -46,6 +46,6 @@ def tiny_random():
 def tiny_target():
     """(model, byte tokenizer): a tiny random Llama target for speculative-decoding and evaluation tests. Tests
     must not change its weights."""
-    from drafter_lib.hf_models import tiny_random_model
+    from drafter_lib.tiny_models import tiny_random_model
 
     return tiny_random_model("llama", tokenizer="bytes", hidden_size=32, num_hidden_layers=2, seed=3)

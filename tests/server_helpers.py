@@ -20,7 +20,7 @@ def tiny_hf_model(seed: int = 0, vocab_size: int = TINY_VOCAB, std: float = 0.3,
     `shape` overrides the config (e.g. more layers / KV heads for a model whose KV cache weighs something)."""
     import torch
 
-    from drafter_lib.hf_models import tiny_random_model
+    from drafter_lib.tiny_models import tiny_random_model
 
     cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=128, max_position_embeddings=TINY_MAX_POS)

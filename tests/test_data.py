@@ -7,14 +7,16 @@ import pytest
 
 from drafter_lib import data as D
 from drafter_lib import hf_models as H
+from drafter_lib.model_dir import sha256_file
 from drafter_lib.synthetic import FAMILIES, synthetic_prompts
+from drafter_lib.tiny_models import byte_tokenizer, tiny_random_model
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
 def tok():
-    return H.byte_tokenizer()
+    return byte_tokenizer()
 
 
 def test_synthetic_deterministic_per_seed():
@@ -139,14 +141,14 @@ def test_build_prompt_set_and_architecture(tmp_path, tok):
     doc = json.loads(arch.read_text())
     files = {f["file"]: f for f in doc["prompt_files"]}
     for name in ("train.jsonl", "heldout.jsonl"):
-        assert files[name]["sha256"] == D.sha256_file(tmp_path / "run" / name)
+        assert files[name]["sha256"] == sha256_file(tmp_path / "run" / name)
         # recorded relative to architecture.json's folder: no machine path in a committed record
         assert files[name]["path"] == f"run/{name}"
         assert s["files"][name]["path"] == name  # prompts_summary.json: relative to the data folder
     assert str(tmp_path) not in arch.read_text() and str(tmp_path) not in (tmp_path / "run" / "prompts_summary.json"
                                                                            ).read_text()
     corp = {c["name"]: c for c in doc["corpora"]}
-    assert corp["synthetic"]["seed"] == 3 and corp["extra"]["input_sha256"] == D.sha256_file(extra)
+    assert corp["synthetic"]["seed"] == 3 and corp["extra"]["input_sha256"] == sha256_file(extra)
     assert corp["extra"]["counts"]["train"] == 100
     assert doc["models"][0]["revision"] == H.HUB_MODELS["Qwen/Qwen3-8B"]
     # same inputs -> byte-identical outputs
@@ -200,11 +202,11 @@ def test_hf_dataset_pinned_train_only(monkeypatch):
 
 def test_local_model_record_is_relative(tmp_path):
     run = tmp_path / "run"
-    model, tok = H.tiny_random_model("llama", tokenizer="bytes", num_hidden_layers=1)
+    model, tok = tiny_random_model("llama", tokenizer="bytes", num_hidden_layers=1)
     model.save_pretrained(run / "tiny_llama")
     rec = H.model_record(str(run / "tiny_llama"), role="teacher", relative_to=run)
     assert rec["name"] == "tiny_llama" and rec["path"] == "tiny_llama" and rec["source"] == "local"
-    assert rec["config_sha256"] == D.sha256_file(run / "tiny_llama" / "config.json")
+    assert rec["config_sha256"] == sha256_file(run / "tiny_llama" / "config.json")
     outside = H.model_record(str(run / "tiny_llama"))  # outside the repository: no absolute path either
     assert not outside["path"].startswith("/")
 

@@ -27,7 +27,7 @@ def test_question_jsonl_and_limit_spreads_over_categories(tmp_path):
     cats = [r["category"] for r in picked]
     assert cats.count("coding") == 2 and cats.count("math") >= 2 and cats.count("writing") >= 2
     assert cats[:3] == ["writing", "math", "coding"]  # round-robin, not the first N
-    from drafter_lib.hf_models import byte_tokenizer
+    from drafter_lib.tiny_models import byte_tokenizer
 
     ids = ev.encode_records(byte_tokenizer(), picked[:1])[0]
     assert byte_tokenizer().decode(ids).endswith("writing q0?<|im_end|>\n<|im_start|>assistant\n")

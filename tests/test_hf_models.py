@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from drafter_lib import hf_models as H
+from drafter_lib.tiny_models import tiny_random_model
 
 torch.set_num_threads(2)
 _has_teacher = True
@@ -35,7 +36,7 @@ def test_parse_keep():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_prune_matches_manual_layer_run_and_generates(arch, byte_tok):
-    model, tok = H.tiny_random_model(arch, seed=1, tokenizer=byte_tok, num_hidden_layers=6)
+    model, tok = tiny_random_model(arch, seed=1, tokenizer=byte_tok, num_hidden_layers=6)
     keep = [0, 2, 5]
     pruned, cfg = H.prune_layers(model, keep)
     assert cfg["num_hidden_layers"] == 3 and len(pruned.model.layers) == 3
@@ -70,9 +71,9 @@ def test_prune_matches_manual_layer_run_and_generates(arch, byte_tok):
 
 
 def test_tiny_random_model_deterministic_and_vocab(byte_tok):
-    m1, tok = H.tiny_random_model("qwen3", seed=3, tokenizer=byte_tok)
-    m2, _ = H.tiny_random_model("qwen3", seed=3, tokenizer=byte_tok)
-    m3, _ = H.tiny_random_model("qwen3", seed=4, tokenizer=byte_tok)
+    m1, tok = tiny_random_model("qwen3", seed=3, tokenizer=byte_tok)
+    m2, _ = tiny_random_model("qwen3", seed=3, tokenizer=byte_tok)
+    m3, _ = tiny_random_model("qwen3", seed=4, tokenizer=byte_tok)
     sd1, sd2, sd3 = m1.state_dict(), m2.state_dict(), m3.state_dict()
     assert all(torch.equal(sd1[k], sd2[k]) for k in sd1)
     assert not all(torch.equal(sd1[k], sd3[k]) for k in sd1)
@@ -81,7 +82,7 @@ def test_tiny_random_model_deterministic_and_vocab(byte_tok):
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError):
-        H.tiny_random_model("gpt2", tokenizer=byte_tok)
+        tiny_random_model("gpt2", tokenizer=byte_tok)
 
 
 def test_model_spec_parsing(tmp_path):
@@ -100,7 +101,7 @@ def test_model_spec_parsing(tmp_path):
 
 def test_hub_path_with_mocked_snapshot(tmp_path, monkeypatch, byte_tok):
     """The hub route, offline: snapshot_download is replaced by a local tiny random Qwen3 checkpoint."""
-    model, tok = H.tiny_random_model("qwen3", seed=5, tokenizer=byte_tok, num_hidden_layers=2)
+    model, tok = tiny_random_model("qwen3", seed=5, tokenizer=byte_tok, num_hidden_layers=2)
     ckpt = tmp_path / "snap"
     model.save_pretrained(ckpt)
     tok.save_pretrained(ckpt)
@@ -131,7 +132,7 @@ def test_hub_path_with_mocked_snapshot(tmp_path, monkeypatch, byte_tok):
 
 
 def test_strip_gguf_marker_allows_save(tmp_path, byte_tok):
-    model, _ = H.tiny_random_model("llama", tokenizer=byte_tok, num_hidden_layers=1)
+    model, _ = tiny_random_model("llama", tokenizer=byte_tok, num_hidden_layers=1)
 
     from transformers.quantizers.quantizer_gguf import GgufHfQuantizer
     from transformers.utils.quantization_config import GgufConfig
@@ -177,7 +178,7 @@ def test_prune_real_teacher_even(teacher):
 
 @needs_teacher
 def test_tiny_model_with_default_tokenizer():
-    model, tok = H.tiny_random_model("llama", seed=0)
+    model, tok = tiny_random_model("llama", seed=0)
     assert model.config.vocab_size == len(tok) == 49152
     ids = torch.tensor([tok.encode("hi there")])
     assert model(ids).logits.shape == (1, ids.shape[1], 49152)

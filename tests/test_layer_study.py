@@ -12,6 +12,7 @@ from drafter_lib import layer_study as LS
 from drafter_lib import train as T
 from drafter_lib.acceptance import simulate
 from drafter_lib.baselines import engine_from_state_dict
+from drafter_lib.layer_report import plot_layer_study, results_table
 from drafter_lib.layout import LayerStudyLayout, RunLayout
 from drafter_lib.teacher import encode_chat
 
@@ -106,9 +107,9 @@ def test_layer_study_rows_resume_and_plot(tiny_run, tmp_path, monkeypatch):
                                     10)
     assert (p2, r2) == (prompts, refs) and g2 == ["a", "b", "a"]
 
-    png = LS.plot_layer_study(rows, out / "layer_study.png")
+    png = plot_layer_study(rows, out / "layer_study.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    table = LS.results_table(rows)
+    table = results_table(rows)
     assert "first:2" in table and "0,3" in table
 
 

@@ -52,6 +52,19 @@ def repo_relative(path: str | os.PathLike) -> str:
     return _in_repo(path) or Path(path).name
 
 
+def portable_value(v):
+    """`v` with every absolute filesystem path in it (recursively through dicts and lists) made repository-relative:
+    what goes into a meta or manifest must not carry the paths of the machine that wrote it. Hub ids and other
+    strings stay as they are."""
+    if isinstance(v, dict):
+        return {k: portable_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [portable_value(x) for x in v]
+    if isinstance(v, os.PathLike) or (isinstance(v, str) and os.path.isabs(v)):
+        return repo_relative(v)
+    return v
+
+
 def portable_path(path: str | os.PathLike) -> str:
     """A path for a config value: relative to the repository (../ for its parent's folders) when it lies there, so
     it resolves the same on another checkout; else absolute."""

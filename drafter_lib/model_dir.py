@@ -25,7 +25,7 @@ from . import draft_vocab
 from . import quantization as Q
 from .copy_policy import CopyPolicy
 from .io_utils import write_json
-from .layout import repo_relative
+from .layout import portable_value
 
 __all__ = ["ModelDirError", "PackedModel", "write_model_dir", "read_model_dir", "read_copy_policy", "sha256_file",
            "MODEL_DIR_FORMAT", "MODEL_DIR_VERSION", "QUANT_FORMAT", "QUANT_VERSION"]
@@ -71,18 +71,6 @@ def _portable_config(hf_config: dict) -> dict:
             for k, v in hf_config.items() if k not in MACHINE_CONFIG_KEYS}
 
 
-def _portable_value(v):
-    """Manifest metadata with every filesystem path made repository-relative (paths of the packing machine must
-    not travel with a published pack)."""
-    if isinstance(v, dict):
-        return {k: _portable_value(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_portable_value(x) for x in v]
-    if isinstance(v, os.PathLike) or (isinstance(v, str) and os.path.isabs(v)):
-        return repo_relative(v)
-    return v
-
-
 def _write_json(path: Path, obj) -> None:
     write_json(path, obj, sort_keys=True)  # sorted keys: the same dict always gives the same bytes (and sha256)
 
@@ -115,7 +103,7 @@ def write_model_dir(out_dir, hf_config: dict, state_dict: dict, qconfig, copy_po
     elif isinstance(qconfig, dict):
         qconfig = Q.QuantConfig.from_dict(qconfig)
     copy_policy = _as_dict(copy_policy, "copy_policy") if copy_policy is not None else {"enabled": False}
-    extra_manifest = _portable_value(dict(extra_manifest or {}))
+    extra_manifest = portable_value(dict(extra_manifest or {}))
     clash = RESERVED_MANIFEST_KEYS & set(extra_manifest)
     if clash:
         raise ValueError(f"extra_manifest may not set reserved manifest keys {sorted(clash)}")

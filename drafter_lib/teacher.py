@@ -30,7 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .io_utils import read_json, read_jsonl, write_json, write_jsonl
-from .layout import repo_relative
+from .layout import portable_value, repo_relative
 from .model_dir import sha256_file
 from .soft_labels import (
     SoftRow,
@@ -199,14 +199,6 @@ def output_record(out_path: str | os.PathLike, rows: int) -> dict:
     return {"file": out_path.name, "rows": rows, "sha256": sha256_file(out_path)}
 
 
-def portable_model_id(model_id: str | None) -> str | None:
-    """A model id for the meta: a spec or hub id as given, a local directory relative to the repository (an
-    absolute path of this machine would make the meta, and every hash over it, machine-specific)."""
-    if isinstance(model_id, str) and os.path.isabs(model_id):
-        return repo_relative(model_id)
-    return model_id
-
-
 def weights_sha256(model: torch.nn.Module) -> str:
     """sha256 over (name, dtype, shape, bytes) of the state dict - identifies the exact teacher weights."""
     h = hashlib.sha256()
@@ -268,7 +260,7 @@ def generate_targets(
     meta = {
         "format_version": FORMAT_VERSION,
         "teacher": {
-            "id": portable_model_id(teacher_id or getattr(model.config, "_name_or_path", None)
+            "id": portable_value(teacher_id or getattr(model.config, "_name_or_path", None)
                                     or model.config.model_type),
             "revision": teacher_revision,
             "weights_sha256": weights_sha256(model),

@@ -8,6 +8,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from drafter_lib import teacher
+from drafter_lib.layout import portable_value
 from drafter_lib.model_dir import sha256_file
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,?!\n"
@@ -168,4 +169,4 @@ def test_meta_records_no_machine_path(tmp_path):
     text = teacher.meta_path(out).read_text()
     assert json.loads(text)["teacher"]["id"] == "runs/x/tiny_llama"
     assert str(REPO_ROOT) not in text and str(tmp_path) not in text
-    assert teacher.portable_model_id("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
+    assert portable_value("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"

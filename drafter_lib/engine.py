@@ -42,6 +42,7 @@ from .copy_policy import CopyPolicy
 from .io_utils import check_token_ids
 from .model import KVCache, ModelConfig, Transformer
 from .prefix_cache import PrefixCache
+from .speculative import accepted_length
 from .weight_formats import Int8Head, _int_mm, hold_weights, read_int8_rows, weight_bytes
 
 __all__ = ["DraftEngine", "Draft", "DTYPES", "DEFAULT_MAX_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS",
@@ -271,9 +272,7 @@ class DraftEngine:
             feed = [row.draft[-1]] + guess
             n0 = row.valid
             targets, probs = self._forward(row, feed, all_tokens=True)
-            n = 0
-            while n < len(guess) and guess[n] == targets[n]:
-                n += 1
+            n = accepted_length(guess, targets)  # the greedy verification rule, applied to the copy prior's guess
             # the guesses the model agrees with are its own tokens (same probabilities), checked like them
             took = row.take(guess[:n] + [targets[n]], probs)
             row.valid = n0 + 1 + min(took, n)  # later slots (rejected or unconfident guesses) are stale

@@ -14,7 +14,6 @@ embedded synthetic families and ../shared/data (by the study's id-hash split), s
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import platform
@@ -33,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from drafter_lib import data, hf_models, teacher  # noqa: E402
 from drafter_lib.client import SpeculativeClient  # noqa: E402
+from drafter_lib.config import DataConfig  # noqa: E402
 from drafter_lib.engine import DraftEngine  # noqa: E402
 from drafter_lib.evaluate import encode_records, load_eval_prompts, spread_over_categories  # noqa: E402
 from drafter_lib.layout import SHARED_DATA_DEFAULT, RunLayout  # noqa: E402
@@ -48,7 +48,7 @@ def heldout_prompts(path: str | None, n: int) -> list[dict]:
     records = []
     for src in data.default_sources(shared, synthetic_n=600, humaneval=False):
         recs, _ = data.load_source(src)
-        records += data.split_heldout(recs, 0.06)[1]  # the default study's held-out side
+        records += data.split_heldout(recs, DataConfig().heldout_frac)[1]  # the default study's held-out side
     return spread_over_categories(records, n)
 
 
@@ -120,7 +120,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--min-confidence", type=float, nargs="*", default=[0.2, 0.4],
-                    help="dynamic draft length thresholds (k=16 cap); needs an engine with min_confidence")
+                    help="dynamic draft length thresholds (k=16 cap)")
     ap.add_argument("--targets", nargs="+", default=["hf", "native"], choices=["hf", "native"])
     ap.add_argument("--drafters", nargs="+", default=["engine", "http"], choices=["engine", "http"])
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
@@ -138,12 +138,10 @@ def main(argv=None) -> list[dict]:
           f"tokens, drafter {args.model_dir}")
 
     engine = DraftEngine.from_dir(args.model_dir)
-    dynamic_ok = "min_confidence" in inspect.signature(engine.draft).parameters
     drafters = {}
     if "engine" in args.drafters:
         drafters.update({f"engine k={k}": (engine, k) for k in args.k})
-        if dynamic_ok:
-            drafters.update({f"engine dyn>={c}": (ConfidenceDrafter(engine, c), 16) for c in args.min_confidence})
+        drafters.update({f"engine dyn>={c}": (ConfidenceDrafter(engine, c), 16) for c in args.min_confidence})
     proc = client = None
     if "http" in args.drafters:
         proc, client = start_server(args.model_dir)

@@ -199,6 +199,11 @@ def output_record(out_path: str | os.PathLike, rows: int) -> dict:
     return {"file": out_path.name, "rows": rows, "sha256": sha256_file(out_path)}
 
 
+def chat_template_sha256(tokenizer) -> str:
+    """Identifies how prompts were templated (the meta records it; verify recomputes it)."""
+    return hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()
+
+
 def weights_sha256(model: torch.nn.Module) -> str:
     """sha256 over (name, dtype, shape, bytes) of the state dict - identifies the exact teacher weights."""
     h = hashlib.sha256()
@@ -251,7 +256,7 @@ def generate_targets(
     out_path.parent.mkdir(parents=True, exist_ok=True)
     stop_ids = stop_token_ids(tokenizer)
     generation = {"max_new_tokens": max_new_tokens, "stop_ids": stop_ids, "greedy": True,
-                  "chat_template_sha256": hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()}
+                  "chat_template_sha256": chat_template_sha256(tokenizer)}
     # only non-default settings are recorded: a default run's meta stays what it always was
     if native_dtype != "float32":
         generation["native_dtype"] = native_dtype

@@ -267,11 +267,9 @@ def _verify_teacher_meta(layout: RunLayout, report: VerifyReport, teacher_weight
         for key in ("teacher.weights_sha256", "generation.chat_template_sha256"):
             report.checks.append(Check(rec, key, shown, _dig(meta, key), None, f"cannot load teacher: {e}"))
         return
-    import hashlib
-
     shown = layout.rel(spec) if Path(spec).exists() else spec
     got = {"teacher.weights_sha256": teacher.weights_sha256(model),
-           "generation.chat_template_sha256": hashlib.sha256(str(tok.chat_template).encode()).hexdigest(),
+           "generation.chat_template_sha256": teacher.chat_template_sha256(tok),
            "generation.stop_ids": teacher.stop_token_ids(tok)}
     for key, actual in got.items():
         report.checks.append(Check(rec, key, shown, _dig(meta, key), actual))

@@ -50,9 +50,9 @@ class StudySection:
 class DataConfig:
     shared_data: str | None = "auto"  # extra prompt corpora; "auto": ../shared/data next to the repo, if present
     synthetic_n: int = 1500
-    total_prompts: int | None = 1200  # None: every prompt the sources give (weights only subsample)
+    total_prompts: int | None = 4400  # None: every prompt the sources give (weights only subsample)
     source_weights: dict[str, float] | None = None
-    heldout_frac: float = 0.06
+    heldout_frac: float = 0.04
     min_prompt_tokens: int = 4
     max_prompt_tokens: int = 256
     humaneval: bool | str = "auto"  # held-out HumanEval prompts: True, False or "auto" (when installed)
@@ -60,11 +60,11 @@ class DataConfig:
 
 @dataclass
 class TeacherConfig:
-    max_new_tokens: int = 64
+    max_new_tokens: int = 256
     batch_size: int = 32
     backend: str = "auto"  # auto | native | hf
-    soft_topk: int = 0  # also store the teacher's top-K log-probs per continuation token (0: off)
-    soft_prompt: bool = False  # ... and at prompt positions (for train.loss_on_prompt)
+    soft_topk: int = 16  # also store the teacher's top-K log-probs per continuation token (0: off)
+    soft_prompt: bool = True  # ... and at prompt positions (for train.loss_on_prompt)
 
 
 @dataclass

@@ -134,10 +134,9 @@ class TrainConfig:
             raise ValueError(f"prompt_loss_weight must be >= 0, got {self.prompt_loss_weight}")
         if self.kl_weight > 0 and not self.teacher_model:
             raise ValueError("kl_weight > 0 needs teacher_model")
-        if self.draft_vocab_size is not None and (self.draft_vocab_size < 1 or self.loss != "ce"
-                                                  or self.loss_on_prompt or self.kl_weight > 0):
-            raise ValueError(f"draft_vocab_size must be >= 1 and goes with loss='ce' only (soft labels cover the "
-                             f"full vocabulary), got {self.draft_vocab_size} with loss={self.loss!r}")
+        if self.draft_vocab_size is not None and (self.draft_vocab_size < 1 or self.kl_weight > 0):
+            raise ValueError(f"draft_vocab_size must be >= 1 and does not go with kl_weight > 0 (full-vocabulary "
+                             f"teacher logits), got {self.draft_vocab_size} with kl_weight={self.kl_weight}")
         for k in ("batch_size", "grad_accum", "max_seq_len", "eval_every", "ckpt_every", "log_every"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
@@ -214,6 +213,8 @@ class Trainer:
         batch = {k: v.to(self.acc.device) for k, v in batch.items()}
         if self.head_ids is not None:
             batch["targets"] = head_targets(batch["targets"], self.head_ids, self.vocab_size, IGNORE)
+            if "soft_ids" in batch:  # soft labels outside the draft vocab -> -1: topk_divergence's tail bucket
+                batch["soft_ids"] = head_targets(batch["soft_ids"], self.head_ids, self.vocab_size, -1)
         return batch
 
     # -- phases

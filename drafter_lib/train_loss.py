@@ -26,20 +26,29 @@ LOSSES = ("ce", "kl_topk", "tv")
 
 def topk_divergence(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-row divergence [N] between the teacher's top-K (+ tail) distribution and the student's logits [N, V].
-    ids [N, K]: teacher top-K ids; logprobs [N, K]: their teacher log-probs. kind: "kl_topk" or "tv"."""
+    ids [N, K]: teacher top-K ids (head rows); logprobs [N, K]: their teacher log-probs. kind: "kl_topk" or "tv".
+    An id < 0 is a teacher token the (reduced) head cannot emit: its mass joins the tail bucket; a row whose
+    top-K lies wholly outside the head carries no loss (as a masked hard target)."""
+    if kind not in ("kl_topk", "tv"):
+        raise ValueError(f"unknown soft loss {kind!r}; expected 'kl_topk' or 'tv'")
     x = logits if logits.dtype == torch.float64 else logits.float()
     ids = ids.long()
+    valid = ids >= 0
+    any_valid = valid.any(-1)
+    # stand-in for an id outside the head: the row's first valid id (a duplicate changes neither sum below)
+    first = ids.gather(-1, valid.to(torch.int8).argmax(-1, keepdim=True))
+    safe = torch.where(valid, ids, first).clamp_min(0)
     lse = torch.logsumexp(x, -1, keepdim=True)
-    s_top = x.gather(-1, ids) - lse                                         # student log q at the top-K ids
-    s_tail = torch.logsumexp(x.scatter(-1, ids, float("-inf")), -1) - lse[:, 0]   # log of the rest's mass
+    s_top = x.gather(-1, safe) - lse                                        # student log q at the top-K ids
+    s_tail = torch.logsumexp(x.scatter(-1, safe, float("-inf")), -1) - lse[:, 0]  # log of the rest's mass
     t_top = logprobs.to(x.dtype)
-    p = t_top.exp()
+    p = t_top.exp() * valid
     p_tail = (1 - p.sum(-1)).clamp_min(0)  # fp16-stored log-probs can sum a hair over 1
     if kind == "kl_topk":
-        return (p * (t_top - s_top)).sum(-1) + torch.xlogy(p_tail, p_tail) - p_tail * s_tail
-    if kind == "tv":
-        return 0.5 * ((p - s_top.exp()).abs().sum(-1) + (p_tail - s_tail.exp()).abs())
-    raise ValueError(f"unknown soft loss {kind!r}; expected 'kl_topk' or 'tv'")
+        per = (p * (t_top - s_top)).sum(-1) + torch.xlogy(p_tail, p_tail) - p_tail * s_tail
+    else:
+        per = 0.5 * ((p - s_top.exp() * valid).abs().sum(-1) + (p_tail - s_tail.exp()).abs())
+    return torch.where(any_valid, per, torch.zeros_like(per))
 
 
 class LossModule(nn.Module):
@@ -68,8 +77,10 @@ class LossModule(nn.Module):
             is_cont = cont[sel]
             ce = F.cross_entropy(logits[is_cont], targets[sel][is_cont], reduction="sum")
             if loss == "ce":  # prompt positions: the teacher's top-1 as the hard target
-                per = F.cross_entropy(logits, torch.where(is_cont, targets[sel], soft_ids[sel][:, 0]),
-                                      reduction="none")
+                top1 = soft_ids[sel][:, 0]
+                top1 = torch.where(top1 < 0, IGNORE, top1)  # a top-1 outside the draft vocab: no loss
+                per = F.cross_entropy(logits, torch.where(is_cont, targets[sel], top1), reduction="none",
+                                      ignore_index=IGNORE)
             else:
                 if not bool(soft_mask[cont].all()):
                     raise ValueError("a continuation position has no soft label")

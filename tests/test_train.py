@@ -320,4 +320,35 @@ def test_reduced_draft_vocab_trains_packs_and_drafts_full_ids(workdir, tmp_path)
     draft = engine.draft([12, 55, 100, 41, 42, 43], 6)
     assert len(draft) == 6 and set(draft) <= set(ids)
     with pytest.raises(ValueError, match="draft_vocab_size"):
-        cfg_for(workdir, tmp_path / "bad", draft_vocab_size=24, loss="tv").validate()
+        cfg_for(workdir, tmp_path / "bad", draft_vocab_size=24, kl_weight=0.5, teacher_model="x").validate()
+
+
+@pytest.mark.parametrize("loss", ["kl_topk", "tv"])
+def test_soft_loss_over_a_reduced_head(workdir, soft_workdir, tmp_path, loss):
+    """Soft labels train a reduced head: teacher ids outside it join the tail bucket."""
+    cfg = cfg_for(workdir, tmp_path / "run", train_path=str(soft_workdir / "targets.jsonl"), steps=14,
+                  qat_steps=0, lr=1e-2, warmup_steps=1, eval_every=7, ckpt_every=100, max_seq_len=64,
+                  loss=loss, loss_on_prompt=True, draft_vocab_size=24)
+    res = train.run_training(cfg)
+    obj = [r["objective"] for r in res["history"] if r["kind"] == "train"]
+    assert all(math.isfinite(o) and o >= -1e-6 for o in obj) and sum(obj[-3:]) < 0.8 * sum(obj[:3]), obj
+
+
+@pytest.mark.parametrize("kind", ["kl_topk", "tv"])
+def test_topk_divergence_moves_ids_outside_the_head_into_the_tail(kind):
+    from drafter_lib.train_loss import topk_divergence
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 7, dtype=torch.float64)
+    ids = torch.tensor([[2, -1, 5], [-1, 0, 1], [-1, -1, -1]])
+    lp = torch.log(torch.tensor([[0.5, 0.2, 0.1], [0.6, 0.2, 0.1], [0.7, 0.2, 0.1]], dtype=torch.float64))
+    got = topk_divergence(x, ids, lp, kind)
+    q = x.softmax(-1)
+    for r in range(2):  # by hand: buckets = the valid top ids + one tail holding everything else
+        keep = [(int(i), float(p)) for i, p in zip(ids[r], lp[r].exp()) if i >= 0]
+        p_b = torch.tensor([p for _, p in keep] + [1 - sum(p for _, p in keep)], dtype=torch.float64)
+        q_top = torch.stack([q[r, i] for i, _ in keep])
+        q_b = torch.cat([q_top, (1 - q_top.sum())[None]])
+        want = (p_b * (p_b / q_b).log()).sum() if kind == "kl_topk" else 0.5 * (p_b - q_b).abs().sum()
+        assert torch.allclose(got[r], want), (r, got[r], want)
+    assert got[2] == 0  # nothing of the teacher's top-K in the head: no loss

@@ -138,13 +138,18 @@ def reduce_hf_model(model, ids: torch.Tensor):
     return model
 
 
-def reduce_for_continuations(model, tokenizer, continuations: Iterable[Sequence[int]], size: int) -> torch.Tensor:
-    """Reduce a transformers drafter's head (in place) to the `size` tokens most frequent in the teacher's
-    `continuations`, its stop tokens always included; returns the ids."""
+def ids_for_continuations(tokenizer, continuations: Iterable[Sequence[int]], size: int, vocab_size: int
+                          ) -> torch.Tensor:
+    """The draft vocabulary training picks: the `size` tokens most frequent in the teacher's `continuations`, the
+    tokenizer's stop tokens always included."""
     from .teacher import stop_token_ids
 
-    ids = select_ids(token_counts(continuations), size, int(model.config.vocab_size),
-                     always=stop_token_ids(tokenizer))
+    return select_ids(token_counts(continuations), size, vocab_size, always=stop_token_ids(tokenizer))
+
+
+def reduce_for_continuations(model, tokenizer, continuations: Iterable[Sequence[int]], size: int) -> torch.Tensor:
+    """Reduce a transformers drafter's head (in place) to `ids_for_continuations`; returns the ids."""
+    ids = ids_for_continuations(tokenizer, continuations, size, int(model.config.vocab_size))
     reduce_hf_model(model, ids)
     return ids
 

@@ -45,10 +45,11 @@ from .prefix_cache import PrefixCache
 from .speculative import accepted_length
 from .weight_formats import Int8Head, _int_mm, hold_weights, read_int8_rows, weight_bytes
 
-__all__ = ["DraftEngine", "Draft", "DTYPES", "DEFAULT_MAX_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS",
+__all__ = ["DraftEngine", "Draft", "DTYPES", "DEFAULT_DTYPE", "DEFAULT_MAX_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS",
            "MIN_CONFIDENCE_KEY"]
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": "int8"}
+DEFAULT_DTYPE = "float16"  # how weights are held unless told otherwise (the server's ENGINE_DTYPE default)
 DEFAULT_MAX_CACHE_BYTES = 256 << 20  # a small machine: ~21k cached tokens of the shipped 8-layer drafter
 DEFAULT_MAX_BATCH_TOKENS = 4096  # in-flight KV slots per decode group (48 MiB for the shipped drafter)
 MIN_CONFIDENCE_KEY = "draft_min_confidence"  # the model dir's default threshold, in its config.json
@@ -106,7 +107,7 @@ def check_min_confidence(value, what: str = "min_confidence") -> float | None:
 
 
 class DraftEngine:
-    def __init__(self, model: Transformer, meta: dict | None = None, *, dtype: str = "float16",
+    def __init__(self, model: Transformer, meta: dict | None = None, *, dtype: str = DEFAULT_DTYPE,
                  copy_policy: dict | CopyPolicy | None = None, max_cache_bytes: int = DEFAULT_MAX_CACHE_BYTES,
                  max_cache_tokens: int | None = None, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
                  stored_rows: dict | None = None, min_confidence: float | None = None):
@@ -136,7 +137,7 @@ class DraftEngine:
         self._cache = PrefixCache(self.model.new_cache, self.max_cache_bytes, self.max_cache_tokens, self.stats)
 
     @classmethod
-    def from_dir(cls, path, dtype: str = "float16", copy_policy: dict | CopyPolicy | None = None,
+    def from_dir(cls, path, dtype: str = DEFAULT_DTYPE, copy_policy: dict | CopyPolicy | None = None,
                  verify: bool = True, min_confidence: float | None = None, **kw) -> DraftEngine:
         """Load a packed model dir (sha256-checked when verify); copy_policy None = the dir's copy_policy.json,
         min_confidence None = the dir's config.json `draft_min_confidence` (absent/null: off)."""

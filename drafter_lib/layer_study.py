@@ -1,6 +1,9 @@
-"""Layer-selection / data / steps ablation for the pruned drafter.
+"""Layer-selection / draft vocabulary / loss / data / steps ablation for the pruned drafter.
 
-For each keep spec ("first:8", "even:8", "0,3,7", ...) and each data fraction: a short distillation run (no QAT)
+The grid: keep specs ("first:8", "even:8", "0,3,7", ...) x draft vocabulary sizes (`--vocab-sizes full 8192`: train's
+draft_vocab_size, "full" = the whole head; default: the run's) x losses (`--losses ce kl_topk tv+prompt`: train's
+loss, "+prompt" = loss_on_prompt; default: the run's) x data fractions. A cell train rejects (a reduced vocabulary
+goes with "ce" only) is skipped with a note. For each cell: a short distillation run (no QAT)
 with `train.run_training`, on the study run's teacher targets and with the run's own TrainConfig knobs (only
 steps, warmup, eval/checkpoint cadence are adapted to the short run), so the ranking transfers to the real run.
 Every variant sees the same validation split (written once to out_dir/data/val.jsonl) and the data fractions are
@@ -9,18 +12,25 @@ nested subsets of the same shuffled training rows, so differences come from the 
 Measured per row, untrained (the pruned base, step 0) and trained (train's best_distill/):
 - validation loss (CE on continuation tokens, from the training history; the history's step-0 entry is the
   untrained number, and its val points along the way show what more steps buy),
-- mean acceptance length (MAL, bonus token included) from `acceptance.simulate` on the run's held-out references
-  (runs/<name>/eval/references.jsonl when 05_eval wrote it; missing ones are generated with the teacher and kept
-  in out_dir/references.jsonl).
+- mean acceptance length (MAL, bonus token included) and the accepted-length histogram from `acceptance.simulate`
+  on the run's held-out references (runs/<name>/eval/references.jsonl when 05_eval wrote it; missing ones are
+  generated with the teacher and kept in out_dir/references.jsonl),
+- the draft cost per token relative to a target step and the target's verify/step ratio of the cell's shape
+  (`layer_costs`, `speedup.measure_cost` on this machine; `--cost-target hf|native|none`), MAL at k = 1..16 and
+  the expected speedup MAL_k / (k c + v) at the best k (`speedup.choose_k`); with a reduced head, its coverage of
+  the validation split's teacher tokens and of the references. The report marks the best expected speedup.
+`--cost-only`: no training, only cost and coverage per (keep spec x vocabulary size) (`layer_costs.run_cost_grid`).
 Models, train knobs and eval settings come from the run's study_config.json (the default preset without one);
 every path from `RunLayout` / `LayerStudyLayout`.
 
 Resumable: each finished row is appended to out_dir/results.jsonl and skipped on rerun (the row key holds the
-variant, fraction, steps, a hash of the effective TrainConfig and the eval settings); an interrupted training
-run resumes from its own checkpoint. A row's run_dir is relative to out_dir.
+variant, draft vocabulary, loss, fraction, steps, a hash of the cell's TrainConfig and the eval settings); an
+interrupted training run resumes from its own checkpoint. Costs are cached per shape and machine in
+out_dir/costs.jsonl and attached to every row returned. A row's run_dir is relative to out_dir.
 
-    python -m drafter_lib.layer_study --run runs/default --variants first:8 even:8 --steps 80 \
-        [--fractions 0.5 1.0] [--eval-limit 12] [--out runs/default/layer_study] [--set lr=1e-3]
+    python -m drafter_lib.layer_study --run runs/default --variants first:4 even:4 first:8 even:8 --steps 80 \
+        [--vocab-sizes full 8192] [--losses ce kl_topk+prompt] [--fractions 0.5 1.0] [--eval-limit 12] \
+        [--cost-target hf] [--cost-context 384] [--out runs/default/layer_study] [--set lr=1e-3] [--cost-only]
 """
 from __future__ import annotations
 
@@ -39,8 +49,10 @@ import torch
 from tqdm.auto import tqdm
 
 from . import config as C
+from . import layer_costs as LC
 from .io_utils import read_json, read_jsonl, write_jsonl
-from .layer_report import plot_layer_study, results_table
+from .layer_grid import cell_label, grid_cells, parse_variant, variant_name
+from .layer_report import cost_table, plot_frontier, plot_layer_study, results_table, speedup_table
 from .layout import LayerStudyLayout, RunLayout, repo_relative
 
 # TrainConfig fields the study sets itself; overriding them would break the comparison
@@ -55,21 +67,6 @@ _NO_HASH = {"out_dir", "train_path", "val_path", "num_threads", "progress", "res
 def read_study_config(run: RunLayout) -> C.StudyConfig:
     """The run's config (study_config.json, written by the study); the default preset when the run has none."""
     return C.load_run_config(run) or C.preset("default")
-
-
-def parse_variant(spec) -> str | list[int]:
-    """CLI/JSON variant -> what hf_models.parse_keep takes: "first:8" stays a string, "0,3,7" -> [0, 3, 7]."""
-    if isinstance(spec, (list, tuple)):
-        return [int(i) for i in spec]
-    s = str(spec).strip()
-    if re.fullmatch(r"\d+(\s*,\s*\d+)*", s):
-        return [int(i) for i in s.split(",")]
-    return s
-
-
-def variant_name(spec) -> str:
-    v = parse_variant(spec)
-    return ",".join(map(str, v)) if isinstance(v, list) else v
 
 
 def _slug(s: str) -> str:
@@ -155,7 +152,7 @@ def mal_of(hf_config, state_dict, prompts, refs, groups, k: int, desc: str, batc
 
     engine = engine_from_state_dict(hf_config, state_dict, copy_policy=None)
     res = simulate(engine, prompts, refs, k=k, categories=groups, batch_size=batch_size, desc=desc)
-    return {"mal": res.overall.mean_acceptance_length,
+    return {"mal": res.overall.mean_acceptance_length, "hist": list(res.overall.hist),
             "p_at_1": res.overall.per_position_acceptance[0],
             "mal_per_group": {c: s.mean_acceptance_length for c, s in res.per_category.items()},
             "sim_seconds": res.seconds}
@@ -200,17 +197,21 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
                     eval_limit: int | None = 12, k: int = 16, num_threads: int | None = None,
                     base_cfg_overrides: dict | None = None, drafter_base: str | None = None,
                     max_new_tokens: int | None = None, keep_weights: bool = False,
-                    sim_batch_size: int = 16) -> list[dict]:
-    """Train + measure every (variant, data fraction); returns the rows (also in out_dir/results.jsonl).
+                    sim_batch_size: int = 16, vocab_sizes: Sequence | None = None, losses: Sequence[str] | None = None,
+                    cost: LC.CostSettings | None = LC.DEFAULT_COST) -> list[dict]:
+    """Train + measure every cell (variant x vocab size x loss x data fraction); returns the rows (also in
+    out_dir/results.jsonl), each with its shape's cost and expected speedup (cost=None: not measured).
 
     teacher / drafter_base / max_new_tokens default to the run's config (study.teacher, study.drafter_base,
-    eval.max_new_tokens). keep_weights=False deletes each finished run's checkpoints and weights (keeping its
-    history and loss plot): a pruned 135M drafter + optimizer state is ~1 GB per run.
+    eval.max_new_tokens); vocab_sizes / losses None keep the run's train.draft_vocab_size / train.loss.
+    keep_weights=False deletes each finished run's checkpoints and weights (keeping its history and loss plot):
+    a pruned 135M drafter + optimizer state is ~1 GB per run.
     """
     from . import baselines as B
     from . import hf_models, stages
     from . import train as T
     from .checkpoint import CKPT_DIR
+    from .draft_vocab import IDS_TENSOR, reduce_for_continuations
 
     run = RunLayout.of(run_dir)
     out = LayerStudyLayout(RunLayout.of(out_dir).root) if out_dir else run.layer_study
@@ -236,75 +237,93 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
     max_new_tokens = max_new_tokens or study_cfg.eval.max_new_tokens
     cfg_d = study_train_config(study_cfg, steps, base_cfg_overrides)
     cfg_d.update({"base_model": base_spec, "teacher_model": teacher_spec, "num_threads": num_threads})
-    cfg_hash = _hash({k_: v for k_, v in cfg_d.items() if k_ not in _NO_HASH})
 
-    # fail on a bad variant before spending any time
-    base, _ = hf_models.load_drafter_base(base_spec, dtype=torch.float32)
+    # fail on a bad variant before spending any time; skip the cells train rejects
+    base, tok = hf_models.load_drafter_base(base_spec, dtype=torch.float32)
     n_layers = len(base.model.layers)
     specs = {variant_name(v): parse_variant(v) for v in variants}
     kept = {name: hf_models.parse_keep(v, n_layers) for name, v in specs.items()}
+    cells = [(name, d, _hash({k_: v for k_, v in d.items() if k_ not in _NO_HASH}))
+             for name, d in grid_cells(specs, cfg_d, vocab_sizes, losses, base_cfg_overrides)]
 
     val_path, train_files = prepare_data(run.targets, out, fracs, cfg_d["val_fraction"], cfg_d["max_seq_len"],
                                          cfg_d["seed"])
     prompts, refs, groups = load_references(run, out, teacher_spec, study_cfg, eval_limit, max_new_tokens)
+    val_conts = LC.continuations(val_path, cfg_d["max_seq_len"])
     eval_key = {"k": k, "eval_limit": eval_limit, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
                 "refs": _hash(refs)}
+    shape = lambda name, d: (tuple(kept[name]), d["draft_vocab_size"])
+    costs = {} if cost is None else LC.shape_costs(out, [shape(n, d) for n, d, _ in cells], base, base_spec,
+                                                   teacher_spec, cost)
 
     done = {r["key"]: r for r in load_results(out.root)}
-    jobs = [(name, f) for name in specs for f in fracs]
+    jobs = [(name, d, h, f) for name, d, h in cells for f in fracs]
     rows, untrained = [], {}
     bar = tqdm(jobs, desc="layer study", unit="run")
-    for name, frac in bar:
-        key = json.dumps({"variant": name, "fraction": frac, "steps": steps, "cfg": cfg_hash, **eval_key},
-                         sort_keys=True)
+    for name, d, cell_hash, frac in bar:
+        n_vocab, label = d["draft_vocab_size"], cell_label(name, d["draft_vocab_size"], d["loss"], d["loss_on_prompt"])
+        key = json.dumps({"variant": name, "draft_vocab": n_vocab, "loss": d["loss"],
+                          "loss_on_prompt": d["loss_on_prompt"], "fraction": frac, "steps": steps, "cfg": cell_hash,
+                          **eval_key}, sort_keys=True)
         if key in done:
-            rows.append(done[key])
+            rows.append(LC.with_speedup(done[key], costs.get(shape(name, d))))
             continue
-        bar.set_postfix(variant=name, frac=frac)
-        # untrained: the pruned base, measured once per variant (reused from earlier rows on a rerun)
-        if name not in untrained:
-            prev = next((r for r in done.values() if r["variant"] == name and r["eval_key"] == eval_key
-                         and "untrained_mal" in r), None)
+        bar.set_postfix(cell=label, frac=frac)
+        train_path, n_rows = train_files[frac]
+        # untrained: the pruned base (its head reduced as training reduces it: ids from this fraction's rows),
+        # measured once per shape (reused from earlier rows on a rerun)
+        ukey = (name, n_vocab, frac if n_vocab else None)
+        if ukey not in untrained:
+            prev = next((r for r in done.values() if (r["variant"], r.get("draft_vocab"),
+                                                      r["data_fraction"] if n_vocab else None) == ukey
+                         and r["eval_key"] == eval_key and "untrained_hist" in r), None)
             if prev is not None:
-                untrained[name] = {"mal": prev["untrained_mal"], "p_at_1": prev["untrained_p_at_1"],
-                                   "mal_per_group": prev["untrained_mal_per_group"], "params": prev["params"]}
+                untrained[ukey] = {"mal": prev["untrained_mal"], "p_at_1": prev["untrained_p_at_1"],
+                                   "hist": prev["untrained_hist"], "mal_per_group": prev["untrained_mal_per_group"],
+                                   "params": prev["params"]}
             else:
                 pruned, hf_cfg = hf_models.prune_layers(base, specs[name])
-                untrained[name] = {**mal_of(hf_cfg, pruned.state_dict(), prompts, refs, groups, k,
-                                            f"{name} untrained", sim_batch_size),
+                if n_vocab:
+                    reduce_for_continuations(pruned, tok, LC.continuations(train_path, d["max_seq_len"]), n_vocab)
+                    hf_cfg = B.hf_config_dict(pruned.config)
+                untrained[ukey] = {**mal_of(hf_cfg, pruned.state_dict(), prompts, refs, groups, k,
+                                            f"{label} untrained", sim_batch_size),
                                    "params": _param_count(pruned)}
                 del pruned
-        u = untrained[name]
+        u = untrained[ukey]
 
-        train_path, n_rows = train_files[frac]
-        run_out = out.train_run(_slug(f"{name}_f{frac:g}_s{steps}_{cfg_hash}"))
-        cfg = T.TrainConfig.from_dict({**cfg_d, "train_path": str(train_path), "val_path": str(val_path),
+        run_out = out.train_run(_slug(f"{name}_f{frac:g}_s{steps}_{cell_hash}"))
+        cfg = T.TrainConfig.from_dict({**d, "train_path": str(train_path), "val_path": str(val_path),
                                        "out_dir": str(run_out.root), "keep_layers": specs[name]})
         t0 = time.perf_counter()
         res = T.run_training(cfg)
         train_s = time.perf_counter() - t0
         if not res["done"]:
-            raise RuntimeError(f"training {name} (fraction {frac}) stopped at step {res['step']} of {steps}")
+            raise RuntimeError(f"training {label} (fraction {frac}) stopped at step {res['step']} of {steps}")
         curve = _val_curve(res["history"])
         info = read_json(run_out.info(run_out.best_distill))
-        trained = mal_of(*B.load_hf_checkpoint(run_out.best_distill), prompts, refs, groups, k, f"{name} trained",
-                         sim_batch_size)
+        hf_cfg, sd = B.load_hf_checkpoint(run_out.best_distill)
+        trained = mal_of(hf_cfg, sd, prompts, refs, groups, k, f"{label} trained", sim_batch_size)
         train_tok = [h["tokens_per_s"] for h in res["history"] if h.get("kind") == "train"]
         row = {
-            "key": key, "variant": name, "kept_layers": kept[name], "num_layers": len(kept[name]),
-            "base_layers": n_layers, "params": u["params"], "data_fraction": frac, "train_rows": n_rows,
-            "steps": steps, "cfg_hash": cfg_hash, "eval_key": eval_key,
+            "key": key, "variant": name, "label": label, "kept_layers": kept[name], "num_layers": len(kept[name]),
+            "base_layers": n_layers, "params": u["params"], "draft_vocab": n_vocab, "loss": d["loss"],
+            "loss_on_prompt": d["loss_on_prompt"], "data_fraction": frac, "train_rows": n_rows,
+            "steps": steps, "cfg_hash": cell_hash, "eval_key": eval_key,
             "untrained_val_loss": curve[0][1] if curve else float("nan"),
             "trained_val_loss": curve[-1][1] if curve else float("nan"),
             "best_val_loss": info.get("val_loss"), "best_step": info.get("step"),
             "val_curve": curve,
             "untrained_mal": u["mal"], "trained_mal": trained["mal"],
             "untrained_p_at_1": u["p_at_1"], "trained_p_at_1": trained["p_at_1"],
+            "untrained_hist": u["hist"], "trained_hist": trained["hist"],
             "untrained_mal_per_group": u["mal_per_group"], "trained_mal_per_group": trained["mal_per_group"],
+            "coverage": LC.held_out_coverage(sd.get(IDS_TENSOR), val=val_conts, refs=refs),
             "train_seconds": round(train_s, 1), "tokens_per_s": train_tok[-1] if train_tok else None,
             "eval_prompts": len(prompts), "reference_tokens": sum(map(len, refs)), "k": k,
             "run_dir": run_out.root.relative_to(out.root).as_posix(),
         }
+        row = LC.with_speedup(row, costs.get(shape(name, d)))
         with open(out.results, "a") as f:  # appended row by row: the resume record
             f.write(json.dumps(row) + "\n")
         done[key] = row
@@ -317,14 +336,22 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description="Which layers should the pruned drafter keep, and what do data and "
-                                             "steps buy: short distillation runs per variant, val loss + MAL.")
+    ap = argparse.ArgumentParser(description="Which layers, draft vocabulary and loss should the pruned drafter have: "
+                                             "short distillation runs per cell, val loss, MAL, draft cost, expected "
+                                             "speedup.")
     ap.add_argument("--run", required=True, help="study run dir, e.g. runs/default (relative: from the repo root)")
     ap.add_argument("--variants", nargs="+", required=True, help="keep specs: first:K even:K last:K or 0,3,7")
-    ap.add_argument("--steps", type=int, required=True, help="distillation steps per run")
+    ap.add_argument("--vocab-sizes", nargs="+", default=None, help="draft vocabulary sizes: full 32768 8192 ...")
+    ap.add_argument("--losses", nargs="+", default=None, help="train losses: ce kl_topk tv, NAME+prompt")
+    ap.add_argument("--steps", type=int, help="distillation steps per run (not with --cost-only)")
     ap.add_argument("--fractions", type=float, nargs="+", default=[1.0], help="fractions of the training rows")
     ap.add_argument("--eval-limit", type=int, default=12, help="held-out prompts for the MAL simulation")
-    ap.add_argument("--k", type=int, default=16, help="draft tokens per target step")
+    ap.add_argument("--k", type=int, default=16, help="draft tokens per simulated target step")
+    ap.add_argument("--cost-only", action="store_true", help="no training: draft cost and coverage per shape")
+    ap.add_argument("--cost-target", default="hf", choices=["hf", "native", "none"],
+                    help="target implementation the cost is relative to (none: no cost, no speedup)")
+    ap.add_argument("--cost-context", type=int, default=384, help="context tokens for the cost timing")
+    ap.add_argument("--cost-repeats", type=int, default=5, help="timed rounds (median) for the cost")
     ap.add_argument("--teacher", default=None, help="target model spec (default: the run's)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the run's)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="TrainConfig overrides, e.g. lr=1e-3")
@@ -336,14 +363,37 @@ def main(argv=None) -> list[dict]:
         overrides = C.parse_set(args.set)
     except C.ConfigError as e:
         ap.error(str(e))
+    if not args.cost_only and args.steps is None:
+        ap.error("--steps is required (unless --cost-only)")
+    if args.cost_only and args.cost_target == "none":
+        ap.error("--cost-only needs a --cost-target")
+    cost = None if args.cost_target == "none" else LC.CostSettings(args.cost_target, args.cost_context,
+                                                                    args.cost_repeats)
     out = LayerStudyLayout(RunLayout.of(args.out).root) if args.out else RunLayout.of(args.run).layer_study
+    if args.cost_only:
+        rows = LC.run_cost_grid(args.run, args.variants, args.vocab_sizes, out.root, cost,
+                                num_threads=args.threads, teacher=args.teacher)
+        write_jsonl(out.cost_grid, rows)
+        print(f"\ncpu capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
+              f"target {cost.target}, context {cost.context}\n")
+        print(cost_table(rows))
+        print(f"\nrows: {repo_relative(out.cost_grid)}")
+        return rows
     rows = run_layer_study(args.run, args.variants, args.steps, out.root, teacher=args.teacher,
                            data_fractions=args.fractions, eval_limit=args.eval_limit, k=args.k,
-                           num_threads=args.threads, base_cfg_overrides=overrides, keep_weights=args.keep_weights)
+                           num_threads=args.threads, base_cfg_overrides=overrides, keep_weights=args.keep_weights,
+                           vocab_sizes=args.vocab_sizes, losses=args.losses, cost=cost)
     png = plot_layer_study(rows, args.plot or out.plot)
     print()
     print(results_table(rows))
-    print(f"\nresults: {repo_relative(out.results)}\nplot: {repo_relative(png)}")
+    if cost is not None:
+        print(f"\nexpected speedup (cost: target {cost.target}, context {cost.context}, cpu capability "
+              f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads)\n")
+        print(speedup_table(rows))
+        png = f"{repo_relative(png)}, {repo_relative(plot_frontier(rows, out.frontier_plot))}"
+    else:
+        png = repo_relative(png)
+    print(f"\nresults: {repo_relative(out.results)}\nplots: {png}")
     return rows
 
 

@@ -159,6 +159,19 @@ class LayerStudyLayout:
     def plot(self) -> Path:
         return self.root / "layer_study.png"
 
+    @property
+    def costs(self) -> Path:
+        """Draft cost per drafter shape and machine (layer_costs.shape_costs' cache)."""
+        return self.root / "costs.jsonl"
+
+    @property
+    def cost_grid(self) -> Path:
+        return self.root / "cost_grid.jsonl"
+
+    @property
+    def frontier_plot(self) -> Path:
+        return self.root / "frontier.png"
+
 
 @dataclass(frozen=True)
 class RunLayout:

@@ -120,11 +120,11 @@ def run_study(preset: str = "default", name: str | None = None, runs_dir: str | 
 
 def publish_results(run_dir: str | Path, dest: str | Path | None = None) -> Path:
     """Copy a run's report to results/<name>/ (or `dest`): the executed notebooks, plots, metrics, configs,
-    architecture.json and the layer study's results - no weights, no prompt text files."""
+    architecture.json and the layer study's results, costs and plots - no weights, no prompt text files."""
     run = RunLayout.of(run_dir)
     dest = Path(dest) if dest else RESULTS_DIR / run.name
     ls = run.layer_study
-    for f in [*run.report_files, ls.results, ls.plot]:
+    for f in [*run.report_files, ls.results, ls.plot, ls.frontier_plot, ls.costs, ls.cost_grid]:
         if f.is_file():
             (dest / run.rel(f)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(f, dest / run.rel(f))

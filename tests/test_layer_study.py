@@ -6,13 +6,17 @@ import pytest
 import torch
 
 from drafter_lib import config as C
+from drafter_lib import draft_vocab as DV
 from drafter_lib import evaluate as ev
 from drafter_lib import hf_models, stages
+from drafter_lib import layer_costs as LC
 from drafter_lib import layer_study as LS
+from drafter_lib import speedup as S
 from drafter_lib import train as T
 from drafter_lib.acceptance import simulate
 from drafter_lib.baselines import engine_from_state_dict
-from drafter_lib.layer_report import plot_layer_study, results_table
+from drafter_lib.layer_grid import grid_cells
+from drafter_lib.layer_report import chosen, cost_table, plot_frontier, plot_layer_study, results_table, speedup_table
 from drafter_lib.layout import LayerStudyLayout, RunLayout
 from drafter_lib.teacher import encode_chat
 
@@ -52,7 +56,7 @@ def tiny_run(tmp_path_factory):
 
 def test_layer_study_rows_resume_and_plot(tiny_run, tmp_path, monkeypatch):
     out = tmp_path / "ls"
-    kw = dict(data_fractions=(0.5, 1.0), eval_limit=3, k=4, num_threads=1)
+    kw = dict(data_fractions=(0.5, 1.0), eval_limit=3, k=4, num_threads=1, cost=None)
     rows = LS.run_layer_study(tiny_run, ["first:2", "0,3"], 6, out, **kw)
 
     assert [(r["variant"], r["data_fraction"]) for r in rows] == [
@@ -123,3 +127,82 @@ def test_layer_study_rejects_bad_input(tiny_run, tmp_path):
     with pytest.raises(FileNotFoundError, match="targets.jsonl"):
         LS.run_layer_study(tmp_path, ["first:2"], 2, tmp_path / "d")
     assert LS.parse_variant("0, 3,5") == [0, 3, 5] and LS.parse_variant("even:8") == "even:8"
+
+
+def test_grid_cells_skip_what_train_rejects():
+    cfg = LS.study_train_config(C.preset("default"), 4)
+    cells = grid_cells({"first:2": "first:2"}, cfg, ["full", 64], ["ce", "kl_topk+prompt"])
+    assert [(d["draft_vocab_size"], d["loss"], d["loss_on_prompt"]) for _, d in cells] == [
+        (None, "ce", False), (None, "kl_topk", True), (64, "ce", False)]  # 64 x kl_topk: soft labels are full-vocab
+    assert [d for _, d in grid_cells({"even:2": "even:2"}, cfg)] == [cfg]  # no axis: the run's own config
+    with pytest.raises(ValueError, match="clashes"):
+        grid_cells({"first:2": "first:2"}, cfg, None, ["ce"], overrides={"loss": "tv"})
+    with pytest.raises(ValueError, match="NAME\\+prompt"):
+        grid_cells({"first:2": "first:2"}, cfg, None, ["ce+all"])
+    with pytest.raises(ValueError, match="every cell"):
+        grid_cells({"first:2": "first:2"}, cfg, [64], ["tv"])
+
+
+def test_layer_study_grid_cost_speedup_resume_and_frontier(tiny_run, tmp_path, monkeypatch):
+    out = tmp_path / "grid"
+    kw = dict(eval_limit=3, k=4, num_threads=1, cost=LC.CostSettings(context=32, repeats=1),
+              vocab_sizes=["full", 64], losses=["ce"])
+    rows = LS.run_layer_study(tiny_run, ["first:2"], 4, out, **kw)
+
+    assert [r["label"] for r in rows] == ["first:2", "first:2 N=64"]
+    assert [(json.loads(r["key"])["draft_vocab"], json.loads(r["key"])["loss"]) for r in rows] == [
+        (None, "ce"), (64, "ce")]
+    full, small = rows
+    vocab = full["cost"]["head_rows"]
+    assert (full["cost"]["num_layers"], small["cost"]["num_layers"], small["cost"]["head_rows"]) == (2, 2, 64)
+    teacher, _ = hf_models.load_teacher(stages.resolve_model("tiny-random:llama", RunLayout.of(tiny_run)))
+    hidden = teacher.config.hidden_size
+    assert vocab > 64 and small["cost"]["params"] == full["cost"]["params"] + 64 * hidden  # untied 64-row head
+    assert full["coverage"] == {"val": 1.0, "refs": 1.0}
+    assert all(0 < small["coverage"][s] <= 1 for s in ("val", "refs"))
+    for r in rows:
+        assert r["mal_at_k"]["4"] == pytest.approx(r["trained_mal"])  # k = 4 was simulated
+        assert r["untrained_mal"] == pytest.approx(S.mal_at_k(r["untrained_hist"], 4))
+        bk = str(r["best_k"])
+        assert sorted(r["speedup_at_k"], key=int) == ["1", "2", "4"]
+        assert r["expected_speedup"] == max(r["speedup_at_k"].values()) == pytest.approx(S.expected_speedup(
+            r["mal_at_k"][bk], r["best_k"], r["cost"]["c_at_k"][bk], r["cost"]["v_at_k"][bk]))
+    assert len(LC.read_jsonl(out / "costs.jsonl")) == 2
+
+    # cost-only: the trained shapes' costs are reused, the new ones measured; coverage = the trained drafters'
+    grid = LC.run_cost_grid(tiny_run, ["first:2", "even:2"], ["full", 64], out, kw["cost"], num_threads=1)
+    assert [(r["variant"], r["draft_vocab"]) for r in grid] == [
+        ("first:2", None), ("first:2", 64), ("even:2", None), ("even:2", 64)]
+    assert len(LC.read_jsonl(out / "costs.jsonl")) == 4
+    assert grid[0]["cost"] == full["cost"] and grid[1]["cost"] == small["cost"]
+    assert grid[1]["coverage"] == small["coverage"] and grid[0]["coverage"] == full["coverage"]
+    assert grid[3]["kept_layers"] == [0, 3] and grid[3]["cost"]["head_rows"] == 64
+    table = cost_table(grid)
+    assert "even:2" in table and "full" in table
+
+    # rerun: every row read back, no training, no timing
+    def boom(*a, **k):
+        raise AssertionError("ran again on a finished row")
+
+    monkeypatch.setattr(T, "run_training", boom)
+    monkeypatch.setattr(S, "measure_cost", boom)
+    assert LS.run_layer_study(tiny_run, ["first:2"], 4, out, **kw) == rows
+    again = LS.main(["--run", str(tiny_run), "--variants", "first:2", "even:2", "--vocab-sizes", "full", "64",
+                     "--cost-only", "--cost-context", "32", "--cost-repeats", "1", "--threads", "1",
+                     "--out", str(out)])
+    assert again == grid and LC.read_jsonl(out / "cost_grid.jsonl") == grid
+
+    best = chosen(rows)
+    assert best["expected_speedup"] == max(r["expected_speedup"] for r in rows)
+    png = plot_frontier(rows, out / "frontier.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    table = speedup_table(rows).splitlines()
+    assert [line.startswith("*") for line in table[2:]] == [r is best for r in rows]
+    assert best["label"] in next(line for line in table if line.startswith("*"))
+
+
+def test_draft_vocab_coverage_helper():
+    ids = torch.tensor([1, 2])
+    assert LC.held_out_coverage(ids, val=[[1, 1, 3], [2]], refs=None) == {"val": 0.75, "refs": None}
+    assert LC.held_out_coverage(None, val=[[5]]) == {"val": 1.0}
+    assert DV.coverage(ids, DV.token_counts([[1, 1, 3], [2]])) == 0.75

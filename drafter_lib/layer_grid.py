@@ -1,0 +1,78 @@
+"""The layer study's grid: keep specs ("first:8", "even:8", "0,3,7") x draft vocabulary sizes ("full", 8192) x losses
+("ce", "kl_topk", "tv", NAME+prompt), the TrainConfig of each cell, and the cells' short labels."""
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+
+from tqdm.auto import tqdm
+
+
+def parse_variant(spec) -> str | list[int]:
+    """CLI/JSON variant -> what hf_models.parse_keep takes: "first:8" stays a string, "0,3,7" -> [0, 3, 7]."""
+    if isinstance(spec, (list, tuple)):
+        return [int(i) for i in spec]
+    s = str(spec).strip()
+    if re.fullmatch(r"\d+(\s*,\s*\d+)*", s):
+        return [int(i) for i in s.split(",")]
+    return s
+
+
+def variant_name(spec) -> str:
+    v = parse_variant(spec)
+    return ",".join(map(str, v)) if isinstance(v, list) else v
+
+
+def parse_vocab(v) -> int | None:
+    """--vocab-sizes entry -> train's draft_vocab_size: "full" (or None) -> None, "8192" -> 8192."""
+    if v is None or str(v).strip().lower() == "full":
+        return None
+    n = int(v)
+    if n < 1:
+        raise ValueError(f"draft vocabulary size must be >= 1 (or 'full'), got {v!r}")
+    return n
+
+
+def parse_loss(spec: str) -> dict:
+    """--losses entry -> train's loss knobs: "kl_topk" -> loss kl_topk; "kl_topk+prompt" adds loss_on_prompt."""
+    name, plus, suffix = str(spec).partition("+")
+    if plus and suffix != "prompt":
+        raise ValueError(f"bad loss {spec!r}: expected NAME or NAME+prompt")
+    return {"loss": name, "loss_on_prompt": bool(plus)}
+
+
+def cell_label(variant: str, draft_vocab: int | None, loss: str = "ce", loss_on_prompt: bool = False) -> str:
+    """A cell's short name in tables and plots, e.g. "first:8 N=8192 kl_topk+prompt"."""
+    lab = variant + (f" N={draft_vocab}" if draft_vocab else "")
+    return lab + (f" {loss}" + ("+prompt" if loss_on_prompt else "") if loss != "ce" or loss_on_prompt else "")
+
+
+def grid_cells(specs: dict, train_cfg: dict, vocab_sizes: Sequence | None = None,
+               losses: Sequence[str] | None = None, overrides: dict | None = None) -> list[tuple[str, dict]]:
+    """(variant name, the cell's TrainConfig dict) for every variant x vocab size x loss; an axis left None keeps
+    `train_cfg`'s value. A cell train's TrainConfig rejects (a reduced vocabulary goes with loss "ce" only) is
+    skipped with a note. `overrides` (the user's --set) may not set what an axis sets."""
+    from .train import TrainConfig
+
+    axes = []  # per grid axis, the TrainConfig overrides of each of its values
+    if vocab_sizes:
+        axes.append([{"draft_vocab_size": parse_vocab(v)} for v in vocab_sizes])
+    if losses:
+        axes.append([parse_loss(x) for x in losses])
+    clash = {key for opts in axes for key in opts[0]} & set(overrides or {})
+    if clash:
+        raise ValueError(f"--set {sorted(clash)} clashes with the grid's --vocab-sizes / --losses")
+    cells = []
+    for name, spec in specs.items():
+        for combo in itertools.product(*axes):
+            d = {**train_cfg, **{key: v for o in combo for key, v in o.items()}}
+            try:
+                TrainConfig.from_dict({**d, "train_path": "-", "keep_layers": spec}).validate()
+            except ValueError as e:
+                tqdm.write(f"skipping {cell_label(name, d['draft_vocab_size'], d['loss'], d['loss_on_prompt'])}: {e}")
+                continue
+            cells.append((name, d))
+    if not cells:
+        raise ValueError("every cell of the grid was skipped")
+    return cells

@@ -7,6 +7,11 @@ what real verification would do (the reference *is* the target's greedy output) 
 step, so many drafters can be compared on the same references. Reported as vLLM does: mean acceptance length
 (tokens per target step, bonus token included: plain decoding = 1.0), acceptance rate per draft position,
 histogram of accepted lengths; overall and per category.
+
+With grow=True a step drafts 2 tokens first and drafts again with 4, 8, ... k only while every drafted token so
+far was accepted. That gives the same accepted length as one k-token draft for any drafter whose j-token draft is
+the first j tokens of its k-token draft (greedy model drafting, the copy prior and n-gram lookup all are; the
+engine's drafts do not depend on cache state or batch), at a fraction of the drafting cost when acceptance is low.
 """
 from __future__ import annotations
 
@@ -83,11 +88,13 @@ class SimulationResult:
     overall: AcceptanceStats
     per_category: dict[str, AcceptanceStats]
     seconds: float = 0.0
+    drafted_tokens: int = 0  # tokens the drafter was asked for (the simulation's cost)
 
     def to_dict(self) -> dict:
         d = self.overall.to_dict()
         d["per_category"] = {c: s.to_dict() for c, s in self.per_category.items()}
         d["seconds"] = self.seconds
+        d["drafted_tokens"] = self.drafted_tokens
         return d
 
 
@@ -101,12 +108,25 @@ def draft_many(drafter, contexts: list[list[int]], k: int) -> list[list[int]]:
     return [list(d)[:k] for d in out]
 
 
+def draft_sizes(k: int, grow: bool) -> list[int]:
+    """How many tokens each try of a step drafts: [k], or with grow 2, 4, 8, ... and finally k."""
+    sizes = []
+    if grow:
+        s = 2
+        while s < k:
+            sizes.append(s)
+            s *= 2
+    return sizes + [k]
+
+
 def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Sequence[int]], k: int = 16,
-             categories: Sequence[str] | None = None, batch_size: int = 16, desc: str = "simulate") -> SimulationResult:
+             categories: Sequence[str] | None = None, batch_size: int = 16, desc: str = "simulate",
+             grow: bool = False) -> SimulationResult:
     """Greedy-verification simulation of `drafter` against the target's greedy `references` (see module doc).
 
     Sequences advance in lockstep so engines with `draft_batch` draft for up to `batch_size` contexts at once.
     When a draft runs to the end of the reference the step still counts its bonus token (the target always adds one).
+    grow: draft 2, 4, ... k tokens while all are accepted (exact for prefix-consistent drafters, see module doc).
     """
     if len(prompts) != len(references):
         raise ValueError(f"{len(prompts)} prompts but {len(references)} references")
@@ -116,6 +136,8 @@ def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Seq
     overall = AcceptanceStats(k)
     per_cat: dict[str, AcceptanceStats] = OrderedDict((c, AcceptanceStats(k)) for c in dict.fromkeys(categories))
     pos = [0] * len(prompts)
+    sizes = draft_sizes(k, grow)
+    drafted = 0
     t0 = time.perf_counter()
     bar = tqdm(total=sum(len(r) for r in references), desc=desc, unit="tok", leave=False)
     while True:
@@ -124,14 +146,24 @@ def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Seq
             break
         for c0 in range(0, len(active), batch_size):
             chunk = active[c0:c0 + batch_size]
-            contexts = [list(prompts[s]) + list(references[s][:pos[s]]) for s in chunk]
-            for s, d in zip(chunk, draft_many(drafter, contexts, k)):
-                window = references[s][pos[s]:pos[s] + k]
-                a = accepted_length(d, window)
-                overall.add(a, len(window))
-                per_cat[categories[s]].add(a, len(window))
-                step = min(a + 1, len(references[s]) - pos[s])
-                pos[s] += step
-                bar.update(step)
+            contexts = {s: list(prompts[s]) + list(references[s][:pos[s]]) for s in chunk}
+            for size in sizes:
+                drafts = draft_many(drafter, [contexts[s] for s in chunk], size)
+                drafted += size * len(chunk)
+                again = []
+                for s, d in zip(chunk, drafts):
+                    window = references[s][pos[s]:pos[s] + k]
+                    a = accepted_length(d, window)
+                    if a == size and size < len(window):  # all accepted and more could be: draft more
+                        again.append(s)
+                        continue
+                    overall.add(a, len(window))
+                    per_cat[categories[s]].add(a, len(window))
+                    step = min(a + 1, len(references[s]) - pos[s])
+                    pos[s] += step
+                    bar.update(step)
+                chunk = again
+                if not chunk:
+                    break
     bar.close()
-    return SimulationResult(overall, dict(per_cat), time.perf_counter() - t0)
+    return SimulationResult(overall, dict(per_cat), time.perf_counter() - t0, drafted)

@@ -92,14 +92,21 @@ class PackConfig:
     publish_dir: str | None = None  # None: the repository's model/
 
 
+# Evaluated besides the run's own held-out split (heldout.py): committed benchmark files, generated RAG prompts.
+DEFAULT_HELDOUT_FILES = ("data/heldout/mt_bench.jsonl", "data/heldout/spec_bench_summarization.jsonl", "rag:0")
+
+
 @dataclass
 class EvalConfig:
-    limit: int | None = 30  # held-out prompts, spread over the groups (None: all)
-    max_new_tokens: int = 80
+    # Sized for <= ~8 min on 2 cores (README, "Held-out evaluation prompts"): 2 prompts in each of ~15 groups.
+    limit: int | None = 30  # prompts (chat turns) spread round-robin over the groups (None: all)
+    max_new_tokens: int = 96
     k: int = 16  # draft tokens per target step
     e2e_prompts: int = 4  # prompts for real speculative decoding (lossless check, wall clock)
     e2e_k: int | None = 4  # None: k
-    group_by: str = "source"  # category | source
+    group_by: str = "category"  # category | source
+    # repo-relative prompt files (project format or question.jsonl) or "rag:SEED[:N]"
+    heldout_files: list[str] = field(default_factory=lambda: list(DEFAULT_HELDOUT_FILES))
 
 
 def _default_train() -> TrainConfig:
@@ -174,7 +181,8 @@ def _smoke() -> StudyConfig:
                           qat_warmup_steps=2, eval_every=12, ckpt_every=12, log_every=4, val_fraction=0.1,
                           max_eval_batches=2),
         quant=QuantSection(group_size=32),
-        eval=EvalConfig(limit=8, max_new_tokens=24, k=8, e2e_prompts=2, e2e_k=None, group_by="category"))
+        # limit 12: one prompt of each group the byte-level context fits, the multi-turn group included
+        eval=EvalConfig(limit=12, max_new_tokens=24, k=8, e2e_prompts=2, e2e_k=None, group_by="category"))
 
 
 def _full() -> StudyConfig:

@@ -113,6 +113,18 @@ def _check_model_sizes(cfg: StudyConfig, allow_download: bool) -> None:
               f"that fit: {_fits([h], q.embed_bits)}")
 
 
+def _check_heldout_files(entries) -> None:
+    from .heldout import parse_entry
+
+    for i, entry in enumerate(entries):
+        try:
+            parse_entry(entry)
+        except ValueError as e:
+            raise ConfigError(f"eval.heldout_files[{i}]: {e}") from None
+    dups = sorted({e for e in entries if entries.count(e) > 1})
+    _need(not dups, "eval.heldout_files", f"listed twice: {dups}")
+
+
 def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = True) -> None:
     s, d, t, p, e = cfg.study, cfg.data, cfg.teacher, cfg.pack, cfg.eval
     # study
@@ -158,5 +170,6 @@ def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = Tr
     _at_least(e.e2e_prompts, 0, "eval.e2e_prompts")
     _at_least(e.e2e_k, 1, "eval.e2e_k", optional=True)
     _need(e.group_by in GROUP_BY, "eval.group_by", f"expected one of {GROUP_BY}, got {e.group_by!r}")
+    _check_heldout_files(e.heldout_files)
     if check_models:
         _check_model_sizes(cfg, allow_download)

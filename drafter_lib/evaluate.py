@@ -3,18 +3,22 @@
 Two measurements, both following the greedy verification rule of `speculative`:
 
 1. Acceptance simulation (`acceptance.simulate`) of every baseline drafter (`baselines.standard_baselines`) on the
-   target's greedy references, computed once per prompt (`greedy_references`, cached in a JSONL).
+   target's greedy references, computed once per prompt (`greedy_references`, cached in a JSONL). A chat's later
+   turns are items of their own (`heldout.conversation_items`), prompted with the target's own earlier answers
+   (`conversation_references`). Reported per drafter: overall and per-category mean acceptance length and the
+   acceptance rate of every draft position (`baselines_table`, `metrics`, `save_plots`).
 2. End-to-end speculative decoding (`end_to_end`, one real target forward per step through
    `speculative.speculative_generate`): its output must equal the target's greedy output exactly (lossless), and
    its wall clock is compared with plain greedy decoding on the same prompts.
 
-CLI: python -m drafter_lib.evaluate --model DIR --prompts FILE [--target NAME] [--limit N] [--k 16] [--out m.json]
+CLI: python -m drafter_lib.evaluate --model DIR --prompts FILE|rag:SEED ... [--target NAME] [--limit N] [--k 16]
+[--out m.json]
 """
 from __future__ import annotations
 
 import argparse
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -22,24 +26,27 @@ from tqdm.auto import tqdm
 
 from .acceptance import simulate
 from .baselines import load_hf_checkpoint, standard_baselines
+from .heldout import conversation_items, load_heldout_sets, round_robin, with_answers
 from .io_utils import read_jsonl, write_json, write_jsonl
 from .speculative import as_target, mean_acceptance_length, speculative_generate
 from .teacher import encode_chat, prompt_messages, stop_token_ids
 from .teacher_backends import make_backend
 
 __all__ = ["load_eval_prompts", "spread_over_categories", "encode_records", "greedy_references", "cached_references",
-           "end_to_end", "run_evaluation", "baselines_table", "write_metrics", "save_plots", "main"]
+           "conversation_references", "context_limit", "end_to_end", "run_evaluation", "baselines_table",
+           "category_table", "position_table", "write_metrics", "save_plots", "main"]
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Prompts
 
 
-def load_eval_prompts(path: str | Path, limit: int | None = None) -> list[dict]:
-    """Prompt records (project format or question.jsonl), optionally `limit` of them spread over the categories."""
+def load_eval_prompts(path: str | Path, limit: int | None = None, turns: str = "first") -> list[dict]:
+    """Prompt records (project format or question.jsonl), optionally `limit` of them spread over the categories.
+    turns="first" keeps the first user turn; "all" keeps every user turn (run_evaluation makes the later turns
+    items of their own)."""
     from . import data
 
-    # First user turn only: the reference is the target's answer to it (no answers exist for later turns).
-    records = list(data.load_prompt_file(path, turns="first"))
+    records = list(data.load_prompt_file(path, turns=turns))
     if not records:
         raise ValueError(f"no prompts in {path}")
     return spread_over_categories(records, limit)
@@ -51,16 +58,7 @@ def spread_over_categories(records: Sequence[dict], limit: int | None) -> list[d
         return list(records)
     if limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
-    groups: dict[str, list[dict]] = OrderedDict()
-    for r in records:
-        groups.setdefault(str(r.get("category", "default")), []).append(r)
-    out, i = [], 0
-    while len(out) < limit:
-        for g in groups.values():
-            if i < len(g) and len(out) < limit:
-                out.append(g[i])
-        i += 1
-    return out
+    return round_robin(records)[:limit]
 
 
 def encode_records(tokenizer, records: Sequence[dict]) -> list[list[int]]:
@@ -93,7 +91,8 @@ def greedy_references(model, tokenizer, prompts: Sequence[Sequence[int]], max_ne
 
 def cached_references(path: str | Path | None, model, tokenizer, ids: Sequence[str], prompts: Sequence[list[int]],
                       max_new_tokens: int, batch_size: int = 16, backend: str = "auto") -> list[list[int]]:
-    """greedy_references, kept in a JSONL (`id`, `prompt_ids`, `reference_ids`) so reruns skip the target."""
+    """greedy_references, kept in a JSONL (`id`, `prompt_ids`, `reference_ids`) so reruns skip the target. Rows of
+    other prompts already in the file stay (a multi-turn evaluation calls this once per turn)."""
     have: dict[tuple, list[int]] = {}
     if path is not None and Path(path).is_file():
         for row in read_jsonl(path):
@@ -106,9 +105,40 @@ def cached_references(path: str | Path | None, model, tokenizer, ids: Sequence[s
         for n, r in zip(todo, refs):
             have[keys[n]] = r
         if path is not None:
-            write_jsonl(path, [{"id": key[0], "prompt_ids": list(key[1]), "reference_ids": have[key],
-                                "max_new_tokens": max_new_tokens} for key in keys])
+            write_jsonl(path, [{"id": key[0], "prompt_ids": list(key[1]), "reference_ids": ref,
+                                "max_new_tokens": max_new_tokens} for key, ref in have.items()])
     return [have[key] for key in keys]
+
+
+def conversation_references(model, tokenizer, items: Sequence[dict], max_new_tokens: int,
+                            path: str | Path | None = None, batch_size: int = 16, backend: str = "auto"
+                            ) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, reference) of each item of `heldout.conversation_items`. Turn by turn: the target answers every
+    conversation's turn t; for turn t+1 its answers (reference minus the stop token, decoded) go in as the
+    assistant's replies and the chat template is applied again. Turn-1 prompts are exactly `encode_records`."""
+    stop = set(stop_token_ids(tokenizer))
+    convs: dict[str, dict] = {}  # conversation -> its item with the most turns (holds every needed user turn)
+    for it in items:
+        if it["conversation"] not in convs or it["turn"] > convs[it["conversation"]]["turn"]:
+            convs[it["conversation"]] = it
+    prompt_of: dict[tuple[str, int], list[int]] = {}
+    ref_of: dict[tuple[str, int], list[int]] = {}
+    for t in range(1, max((it["turn"] for it in items), default=0) + 1):
+        keys = [(c, t) for c, it in convs.items() if it["turn"] >= t]
+        for c, _ in keys:
+            answers = []
+            for j in range(1, t):
+                ref = ref_of[(c, j)]
+                answers.append(tokenizer.decode(ref[:-1] if ref and ref[-1] in stop else ref))
+            msgs = convs[c]["messages"]
+            last_user = [i for i, m in enumerate(msgs) if m["role"] == "user"][t - 1]
+            prompt_of[(c, t)] = encode_chat(tokenizer, with_answers(msgs[:last_user + 1], answers))
+        ids = [c if t == 1 else f"{c}#turn{t}" for c, _ in keys]
+        refs = cached_references(path, model, tokenizer, ids, [prompt_of[k] for k in keys], max_new_tokens,
+                                 batch_size, backend)
+        ref_of.update(zip(keys, refs))
+    keys = [(it["conversation"], it["turn"]) for it in items]
+    return [prompt_of[k] for k in keys], [ref_of[k] for k in keys]
 
 
 def end_to_end(model, drafter, prompts: Sequence[Sequence[int]], max_new_tokens: int, k: int = 16,
@@ -145,27 +175,50 @@ def end_to_end(model, drafter, prompts: Sequence[Sequence[int]], max_new_tokens:
 # ----------------------------------------------------------------------------------------------------------------------
 # Reports
 
+POSITIONS = (1, 2, 4, 8, 16)  # draft positions the summary table shows (position_table shows all k)
 
-def baselines_table(results: dict[str, dict], k: int | None = None) -> str:
-    """Plain-text table: one row per drafter, overall + per-category mean acceptance length, first positions' rates."""
-    if not results:
-        return "(no results)"
-    cats = list(dict.fromkeys(c for r in results.values() for c in r.get("per_category", {})))
-    pos_cols = [0, 1, 3, 7, 15]
-    first = next(iter(results.values()))
-    kk = k or len(first["per_position_acceptance"])
-    pos_cols = [p for p in pos_cols if p < kk]
-    head = ["drafter", "MAL"] + [f"p@{p + 1}" for p in pos_cols] + [f"MAL[{c}]" for c in cats]
-    rows = []
-    for name, r in results.items():
-        row = [name, f"{r['mean_acceptance_length']:.3f}"]
-        row += [f"{r['per_position_acceptance'][p]:.3f}" for p in pos_cols]
-        row += [f"{r['per_category'][c]['mean_acceptance_length']:.3f}" if c in r.get("per_category", {}) else "-"
-                for c in cats]
-        rows.append(row)
+
+def _fmt_table(head: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(x[i]) for x in [head] + rows) for i in range(len(head))]
     fmt = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def _rate(x) -> str:
+    return "-" if x is None or x != x else f"{x:.3f}"
+
+
+def category_table(results: dict[str, dict], counts: dict[str, int] | None = None) -> str:
+    """Mean acceptance length per category (rows, with the prompt count) and drafter (columns), then "all"."""
+    cats = list(dict.fromkeys(c for r in results.values() for c in r.get("per_category", {})))
+    names = list(results)
+    rows = [[c, str((counts or {}).get(c, "-"))] + [
+        _rate(results[n]["per_category"][c]["mean_acceptance_length"]) if c in results[n].get("per_category", {})
+        else "-" for n in names] for c in cats]
+    rows.append(["all", str(sum((counts or {}).values()) or "-")] +
+                [_rate(results[n]["mean_acceptance_length"]) for n in names])
+    return _fmt_table(["category", "n"] + names, rows)
+
+
+def position_table(results: dict[str, dict]) -> str:
+    """Acceptance rate of every draft position 1..k (columns), one row per drafter."""
+    kk = max(len(r["per_position_acceptance"]) for r in results.values())
+    rows = [[n] + [_rate(x) for x in r["per_position_acceptance"]] for n, r in results.items()]
+    return _fmt_table(["drafter"] + [f"p@{j + 1}" for j in range(kk)], rows)
+
+
+def baselines_table(results: dict[str, dict], k: int | None = None, counts: dict[str, int] | None = None) -> str:
+    """Plain text: one row per drafter (MAL, target steps, a few positions' acceptance rates), then the
+    per-category table (`category_table`, `counts` = prompts per category) and every position (`position_table`)."""
+    if not results:
+        return "(no results)"
+    kk = k or len(next(iter(results.values()))["per_position_acceptance"])
+    pos = [p for p in POSITIONS if p <= kk]
+    rows = [[name, f"{r['mean_acceptance_length']:.3f}", str(r.get("steps", "-"))] +
+            [_rate(r["per_position_acceptance"][p - 1]) for p in pos] for name, r in results.items()]
+    summary = _fmt_table(["drafter", "MAL", "steps"] + [f"p@{p}" for p in pos], rows)
+    return "\n\n".join([summary, "mean acceptance length per category:\n" + category_table(results, counts),
+                         "acceptance rate per draft position:\n" + position_table(results)])
 
 
 def write_metrics(path: str | Path, metrics: dict) -> None:
@@ -176,13 +229,33 @@ def write_metrics(path: str | Path, metrics: dict) -> None:
 # The whole evaluation
 
 
+def context_limit(target, drafters: dict) -> int | None:
+    """The shortest context of the target (HF config) and the drafters (engines' max_context), if known."""
+    sizes = [getattr(getattr(target, "config", None), "max_position_embeddings", None)]
+    sizes += [getattr(d, "max_context", None) for d in drafters.values()]
+    sizes = [int(x) for x in sizes if isinstance(x, int)]
+    return min(sizes) if sizes else None
+
+
+def _fitting(tokenizer, items: list[dict], budget: int | None, max_new_tokens: int) -> tuple[list[dict], list[str]]:
+    """Items whose prompt (later turns: plus max_new_tokens + 16 per earlier answer) fits in `budget` tokens."""
+    if budget is None:
+        return items, []
+    keep, drop = [], []
+    for it, ids in zip(items, encode_records(tokenizer, items)):
+        (keep if len(ids) + (it["turn"] - 1) * (max_new_tokens + 16) <= budget else drop).append(it)
+    return keep, [it["id"] for it in drop]
+
+
 def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *, k: int = 16,
                    max_new_tokens: int = 128, group_by: str = "category", primary: str | None = None,
                    e2e_prompts: int = 4, e2e_k: int | None = None, e2e_max_new_tokens: int | None = None,
                    batch_size: int = 16, references_path: str | Path | None = None, backend: str = "auto",
-                   log: Callable[[str], None] = print) -> dict:
-    """Simulate every drafter on the target's greedy references, then run real speculative decoding with the
-    `primary` drafter (default: the last one) on `e2e_prompts` prompts. Returns the metrics dict."""
+                   limit: int | None = None, log: Callable[[str], None] = print) -> dict:
+    """Every chat turn of `records` as an item (`heldout.conversation_items`; later turns: category "multi-turn"),
+    those that fit the models' context, `limit` of them spread over the groups; simulate every drafter on the
+    target's greedy references (growing drafts, exact for these drafters), then run real speculative decoding with
+    the `primary` drafter (default: the last one) on `e2e_prompts` prompts. Returns the metrics dict."""
     if not drafters:
         raise ValueError("no drafters to evaluate")
     if group_by not in ("category", "source"):
@@ -190,16 +263,23 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
     primary = primary or list(drafters)[-1]
     if primary not in drafters:
         raise ValueError(f"primary drafter {primary!r} is not one of {list(drafters)}")
-    prompts = encode_records(tokenizer, records)
-    ids = [str(r.get("id")) for r in records]
-    groups = [str(r.get(group_by) or r.get("category") or "default") for r in records]
+    ctx = context_limit(target, drafters)
+    items, too_long = _fitting(tokenizer, conversation_items(records), ctx and ctx - max_new_tokens - k - 1,
+                               max_new_tokens)
+    if too_long:
+        log(f"{len(too_long)} prompts longer than the context ({ctx} tokens) allows: left out")
+    items = spread_over_categories(items, limit)
+    if not items:
+        raise ValueError("no prompt fits the context")
     t0 = time.perf_counter()
-    refs = cached_references(references_path, target, tokenizer, ids, prompts, max_new_tokens, batch_size, backend)
+    prompts, refs = conversation_references(target, tokenizer, items, max_new_tokens, references_path, batch_size,
+                                            backend)
     ref_s = time.perf_counter() - t0
+    groups = [str(it.get(group_by) or it.get("category") or "default") for it in items]
     log(f"references: {len(refs)} prompts, {sum(map(len, refs))} target tokens ({ref_s:.1f}s)")
     results: dict[str, dict] = OrderedDict()
     for name, d in drafters.items():
-        res = simulate(d, prompts, refs, k=k, categories=groups, batch_size=batch_size, desc=name)
+        res = simulate(d, prompts, refs, k=k, categories=groups, batch_size=batch_size, desc=name, grow=True)
         results[name] = res.to_dict()
         log(f"{name:28s} MAL {res.overall.mean_acceptance_length:.3f}  ({res.seconds:.1f}s)")
     e2e = {}
@@ -217,7 +297,10 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
     return {
         "k": k,
         "max_new_tokens": max_new_tokens,
-        "num_prompts": len(records),
+        "num_prompts": len(items),
+        "prompts_per_category": dict(Counter(groups)),
+        "multi_turn_prompts": sum(it["turn"] > 1 for it in items),
+        "left_out_too_long": too_long,
         "reference_tokens": sum(map(len, refs)),
         "group_by": group_by,
         "primary": primary,
@@ -225,23 +308,31 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
         "per_category": {c: v["mean_acceptance_length"] for c, v in p["per_category"].items()},
         "per_position_acceptance": p["per_position_acceptance"],
         "accepted_length_hist": p["accepted_length_hist"],
+        # every drafter of the baselines table: per-category MAL ("all" = overall) and per-position acceptance
+        "mal_by_category": {n: {"all": r["mean_acceptance_length"],
+                                **{c: v["mean_acceptance_length"] for c, v in r["per_category"].items()}}
+                            for n, r in results.items()},
+        "per_position_by_drafter": {n: r["per_position_acceptance"] for n, r in results.items()},
         "lossless": e2e.get("lossless"),
         "speedup": e2e.get("speedup"),
         "end_to_end": e2e,
         "baselines": results,
         "reference_seconds": ref_s,
+        "item_ids": [it["id"] for it in items],
     }
 
 
 def save_plots(metrics: dict, out_dir: str | Path) -> list[Path]:
-    """The evaluation's PNGs: accepted-length histogram, per-position curves, per-category bars."""
+    """The evaluation's PNGs: accepted-length histogram, per-position curves, per-category bars and heatmap."""
     from . import plots
 
     out_dir = Path(out_dir)
     res = metrics["baselines"]
     return [plots.acceptance_histogram(res, out_dir / "acceptance_hist.png"),
             plots.position_acceptance(res, out_dir / "position_acceptance.png"),
-            plots.per_category(res, out_dir / "per_category.png")]
+            plots.per_category(res, out_dir / "per_category.png"),
+            plots.category_heatmap(res, out_dir / "category_heatmap.png",
+                                   counts=metrics.get("prompts_per_category"))]
 
 
 def main(argv=None) -> dict:
@@ -250,7 +341,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description="Acceptance length of a packed drafter against a target's greedy "
                                              "decoding, with baselines, plus a lossless end-to-end check.")
     ap.add_argument("--model", required=True, help="packed drafter dir (config.json, weights.safetensors, ...)")
-    ap.add_argument("--prompts", required=True, help="held-out prompts: project JSONL or question.jsonl")
+    ap.add_argument("--prompts", required=True, nargs="+",
+                    help="held-out prompts: project JSONL or question.jsonl files, or rag:SEED[:N]")
     ap.add_argument("--target", default=hf_models.DEFAULT_TEACHER,
                     help="target model: hf_models spec or local HF dir (default: %(default)s)")
     ap.add_argument("--limit", type=int, default=None, help="N prompts spread round-robin over the categories")
@@ -268,9 +360,15 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.k < 1 or args.max_new_tokens < 1:
         ap.error("--k and --max-new-tokens must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        ap.error("--limit must be >= 1")
     if not Path(args.model).is_dir():
         ap.error(f"--model {args.model} is not a directory")
-    records = load_eval_prompts(args.prompts, args.limit)
+    try:
+        records, _ = load_heldout_sets(str(Path(p).resolve()) if not p.startswith("rag:") else p
+                                       for p in args.prompts)
+    except ValueError as e:
+        ap.error(f"--prompts: {e}")
     target, tok = hf_models.load_teacher(args.target, device=args.device)
     drafters = standard_baselines(
         args.model,
@@ -278,10 +376,10 @@ def main(argv=None) -> dict:
         fp=load_hf_checkpoint(args.fp_checkpoint) if args.fp_checkpoint else None)
     metrics = run_evaluation(target, tok, records, drafters, k=args.k, max_new_tokens=args.max_new_tokens,
                              group_by=args.group_by, e2e_prompts=args.e2e_prompts, e2e_k=args.e2e_k,
-                             batch_size=args.batch_size)
-    metrics.update({"target": args.target, "model": str(args.model), "prompts": str(args.prompts)})
+                             batch_size=args.batch_size, limit=args.limit)
+    metrics.update({"target": args.target, "model": str(args.model), "prompts": list(args.prompts)})
     print()
-    print(baselines_table(metrics["baselines"], args.k))
+    print(baselines_table(metrics["baselines"], args.k, metrics["prompts_per_category"]))
     print(f"\nlossless: {metrics['lossless']}   speedup: {metrics['speedup']}")
     if args.out:
         write_metrics(args.out, metrics)

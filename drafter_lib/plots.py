@@ -76,6 +76,36 @@ def per_category(results: Mapping[str, dict], path, title: str = "Mean acceptanc
     return _save(fig, path)
 
 
+def category_heatmap(results: Mapping[str, dict], path, counts: Mapping[str, int] | None = None,
+                     title: str = "Mean acceptance length: category x drafter"):
+    """Heatmap of mean acceptance length, one row per category (with its prompt count) plus "all", one column per
+    drafter, each cell annotated; readable where grouped bars of many categories are not."""
+    import numpy as np
+
+    names = list(results)
+    cats = list(dict.fromkeys(c for r in results.values() for c in r.get("per_category", {})))
+    if not names or not cats:
+        raise ValueError("results have no per_category entries")
+    grid = np.array([[results[n]["per_category"][c]["mean_acceptance_length"] if c in results[n]["per_category"]
+                      else np.nan for n in names] for c in cats] + [[results[n]["mean_acceptance_length"]
+                                                                    for n in names]], dtype=float)
+    labels = [f"{c} (n={counts[c]})" if counts and c in counts else c for c in cats] + ["all"]
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 3, 0.4 * len(labels) + 1.8))
+    im = ax.imshow(grid, cmap="viridis", aspect="auto", vmin=1.0)
+    for (i, j), v in np.ndenumerate(grid):
+        if v == v:
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                    color="white" if v < np.nanmean(grid) else "black")
+    ax.axhline(len(cats) - 0.5, color="white", lw=2)  # "all" below the categories
+    ax.set_xticks(range(len(names)))
+    ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+    ax.set_yticks(range(len(labels)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label="tokens per target step")
+    return _save(fig, path)
+
+
 def length_histogram(lengths: Mapping[str, Sequence[int]] | Sequence[int], path, xlabel: str = "tokens",
                      title: str = "Length distribution", bins: int = 40):
     """Histogram of lengths (e.g. prompt tokens); a mapping plots one translucent histogram per group."""

@@ -126,7 +126,8 @@ def architecture_rows(run: RunLayout) -> list[dict]:
     """One row per corpus and model of architecture.json: where it came from, pinned how."""
     arch = read_json(run.architecture)
     keys = ("name", "source", "revision", "commit", "seed", "input_sha256", "sha256")
-    return [{k: c.get(k) for k in keys} for c in arch["corpora"] + arch["models"]]
+    rows = arch["corpora"] + arch["models"] + arch.get("eval_corpora", [])  # eval_corpora: added by 05_eval
+    return [{k: c.get(k) for k in keys} for c in rows]
 
 
 # ---------------------------------------------------------------------------------------------- 02_teacher
@@ -268,24 +269,42 @@ def publish_pack(cfg: C.StudyConfig, run: RunLayout) -> Path | None:
 # ---------------------------------------------------------------------------------------------- 05_eval
 
 
+def eval_records(cfg: C.StudyConfig, run: RunLayout) -> tuple[list[dict], list[dict], list[str]]:
+    """The held-out prompts: the run's split plus eval.heldout_files, less any record of those files that shares
+    an id, a normalized text or a 13-gram with the run's training prompts. -> (records, declarations of the
+    files, ids left out)."""
+    from . import data, heldout
+
+    extra, decls = heldout.load_heldout_sets(cfg.eval.heldout_files)
+    overlap = set(heldout.training_overlap(extra, data.load_prompt_file(run.train_prompts)))
+    if overlap:
+        print(f"{len(overlap)} held-out records overlap the training prompts: left out ({sorted(overlap)[:5]} ...)")
+    records = data.load_prompt_file(run.heldout_prompts) + [r for r in extra if r["id"] not in overlap]
+    return records, decls, sorted(overlap)
+
+
 def evaluate_run(cfg: C.StudyConfig, run: RunLayout) -> dict:
-    """Every baseline on the target's greedy references of the held-out prompts, then real speculative decoding
-    with the packed drafter; writes metrics.json (and eval/metrics.json). -> the metrics dict."""
+    """Every baseline on the target's greedy references of the held-out prompts (`eval_records`; chats turn by
+    turn), then real speculative decoding with the packed drafter; writes metrics.json (and eval/metrics.json)
+    and declares the evaluation sets in architecture.json. -> the metrics dict."""
     from . import baselines as B
     from . import evaluate as ev
-    from . import hf_models
+    from . import heldout, hf_models
 
     e, t_spec = cfg.eval, teacher_spec(cfg, run)
-    records = ev.load_eval_prompts(run.heldout_prompts, e.limit)
+    records, decls, overlap = eval_records(cfg, run)
     target, tok = hf_models.load_teacher(t_spec, device=cfg.study.device)
     base_model, _ = hf_models.load_pruned_base(drafter_base_spec(cfg, run), cfg.study.keep_layers)
     base = (B.hf_config_dict(base_model.config), base_model.state_dict())
     drafters = B.standard_baselines(run.model_dir, base=base, fp=B.load_hf_checkpoint(run.best_distill))
     metrics = ev.run_evaluation(target, tok, records, drafters, k=e.k, max_new_tokens=e.max_new_tokens,
                                 group_by=e.group_by, e2e_prompts=e.e2e_prompts, e2e_k=e.e2e_k,
-                                references_path=run.references)
+                                references_path=run.references, limit=e.limit)
     metrics["target"] = model_label(cfg.study.teacher)
+    metrics["heldout_sets"] = decls
+    metrics["left_out_overlapping_training"] = overlap
+    heldout.declare_eval_corpora(run.architecture, decls)
     ev.write_metrics(run.eval_metrics, metrics)
     ev.write_metrics(run.metrics, metrics)
-    print(ev.baselines_table(metrics["baselines"], e.k))
+    print(ev.baselines_table(metrics["baselines"], e.k, metrics["prompts_per_category"]))
     return metrics

@@ -5,7 +5,8 @@
 RUN is a run directory (`runs/default`, resolved against the repository root when it is not a directory from
 here) or a packed model directory (`model/`: only its manifest is checked). Checked, when the run has them:
 - `architecture.json`: each prompt file's sha256, each file corpus's `input_sha256`, each model's `sha256` (the
-  default teacher's GGUF) or `config_sha256` (a local model dir);
+  default teacher's GGUF) or `config_sha256` (a local model dir), and the evaluation sets 05_eval added
+  (`eval_corpora`: a held-out file's sha256, a generated set's prompts made again);
 - the teacher meta `teacher/targets.jsonl.meta.json`: the teacher's weights sha256 and chat-template sha256 (the
   teacher is loaded for this), its stop ids, the targets file's sha256 and row count, and, when the run stored
   soft labels, each soft-label part's sha256 and the row count of the parts on disk;
@@ -169,6 +170,7 @@ def _verify_architecture(layout: RunLayout, report: VerifyReport, corpus_dirs: S
                                   f"({', '.join(k for k in ('seed', 'revision', 'commit') if k in c) or 'none'})")
             continue
         _check(report, layout, rec, key, c["input_sha256"], _corpus_file(c, root, corpus_dirs))
+    _verify_eval_corpora(layout, report, arch.get("eval_corpora", []))
     for m in arch.get("models", []):
         who = f"models[{m.get('role') or m.get('name')}]"
         for k in [k for k in m if k.endswith("sha256")]:
@@ -177,6 +179,26 @@ def _verify_architecture(layout: RunLayout, report: VerifyReport, corpus_dirs: S
                 report.skipped.append(f"{rec}: {who}.{k}: no rule to find the file it describes")
                 continue
             _check(report, layout, rec, f"{who}.{k}", m[k], path)
+
+
+def _verify_eval_corpora(layout: RunLayout, report: VerifyReport, corpora: list[dict]) -> None:
+    """The evaluation sets 05_eval declared: a file's sha256 (paths are repository-relative); a generated set's
+    prompts made again (same seed) and hashed, when this Python is the one that made them."""
+    import platform
+
+    from . import heldout
+
+    for c in corpora:
+        key = f"eval_corpora[{c.get('name')}]"
+        if c.get("kind") == "file":
+            _check(report, layout, ARCHITECTURE, f"{key}.input_sha256", c.get("input_sha256"), REPO_ROOT / c["path"])
+        elif c.get("python_version") != platform.python_version():
+            report.skipped.append(f"{ARCHITECTURE}: {key}.sha256: made with Python {c.get('python_version')}, "
+                                  f"this is {platform.python_version()} (docstrings differ between versions)")
+        else:
+            recs, _ = heldout.load_entry(f"rag:{c['seed']}:{c['rows']}")
+            report.checks.append(Check(ARCHITECTURE, f"{key}.sha256", "", c.get("sha256"),
+                                       heldout.records_sha256(recs)))
 
 
 def _soft_rows(directory: Path) -> int:

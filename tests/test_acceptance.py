@@ -91,3 +91,41 @@ def test_bad_inputs():
         AcceptanceStats(0)
     with pytest.raises(ValueError, match="references"):
         simulate(FnDrafter(lambda t, k: []), [[1]], [], k=2)
+
+
+def test_growing_drafts_give_the_statistics_of_full_drafts(tiny_target):
+    """grow=True drafts 2, 4, 8 tokens while all are accepted: the engines (with and without the copy prior, in
+    both of its modes) and n-gram lookup get exactly the statistics of one k-token draft per step."""
+    from drafter_lib.baselines import engine_from_state_dict, ngram_drafter
+    from drafter_lib.hf_models import prune_layers
+    from drafter_lib.speculative import speculative_generate
+
+    model, tok = tiny_target
+    prompts = [list(tok.encode(t)) for t in ("abc abc abc abc abc", "the cat sat on the mat; the cat", "1 2 3 1 2 3")]
+    rng = random.Random(1)
+    refs = []  # the target's greedy tokens with a random token every few positions: accepted lengths 0..k
+    for p in prompts:
+        ref = speculative_generate(model, p, 60).tokens
+        for i in range(rng.randrange(4), len(ref), 5):
+            ref[i + rng.randrange(3) - 1] = rng.randrange(32, 127)
+        refs.append(ref)
+    pruned, _ = prune_layers(model, "first:1")
+    makers = {
+        "self": lambda: engine_from_state_dict(model.config, model.state_dict()),
+        "self + copy prior": lambda: engine_from_state_dict(model.config, model.state_dict(),
+                                                            copy_policy={"enabled": True, "mode": "prefix"}),
+        "pruned + accelerate": lambda: engine_from_state_dict(pruned.config, pruned.state_dict(),
+                                                              copy_policy={"enabled": True, "mode": "accelerate"}),
+        "n-gram": lambda: ngram_drafter({"enabled": True, "max_ngram": 3, "min_ngram": 1}),
+    }
+    cats = ["a", "b", "a"]
+    for name, make in makers.items():
+        full = simulate(make(), prompts, refs, k=8, categories=cats, batch_size=2).to_dict()
+        grown = simulate(make(), prompts, refs, k=8, categories=cats, batch_size=2, grow=True).to_dict()
+        assert full.pop("drafted_tokens") == 8 * full["steps"]
+        cost = grown.pop("drafted_tokens")
+        full.pop("seconds"), grown.pop("seconds")
+        assert grown == full, name
+        hist = full["accepted_length_hist"]
+        assert sum(hist[2:]) > 0 and sum(hist[:2]) > 0, name  # steps ended at every level of the growth
+        assert cost < 0.75 * 8 * full["steps"], name  # most steps stop after the first 2 or 4 drafted tokens

@@ -39,8 +39,13 @@ def test_baselines_table_lists_every_drafter():
     prompt, ref = [1], [2, 3, 4, 5]
     res = {"perfect": simulate(oracle(prompt + ref), [prompt], [ref], k=2, categories=["x"]).to_dict(),
            "none": simulate(FnDrafter(lambda t, k: []), [prompt], [ref], k=2, categories=["x"]).to_dict()}
-    table = ev.baselines_table(res)
-    assert "perfect" in table and "none" in table and "MAL[x]" in table
+    table = ev.baselines_table(res, counts={"x": 1})
+    assert "perfect" in table and "none" in table
+    cat_rows = ev.category_table(res, {"x": 1}).splitlines()
+    assert cat_rows[0].split() == ["category", "n", "perfect", "none"] and cat_rows[2].split() == ["x", "1", "2.500",
+                                                                                                   "1.000"]
+    assert ev.position_table(res).splitlines()[0].split() == ["drafter", "p@1", "p@2"]
+    assert ev.category_table(res, {"x": 1}) in table and ev.position_table(res) in table
 
 
 def test_end_to_end_is_lossless(tiny_target):
@@ -86,9 +91,67 @@ def test_cli_on_tiny_target_and_packed_drafter(tmp_path, tiny_target, capsys):
              "--plots", str(tmp_path / "plots")])
     m = json.loads(out.read_text())
     assert m["num_prompts"] == 3 and set(m["per_category"]) == {"a", "b", "c"}  # spread, not the first three
+    assert m["prompts_per_category"] == {"a": 1, "b": 1, "c": 1} and m["prompts"] == [str(q)]
     assert m["lossless"] is True and m["end_to_end"]["prompts"] == 2
     assert len(m["per_position_acceptance"]) == 4 and 1.0 <= m["mean_acceptance_length"] <= 5.0
     assert list(m["baselines"]) == ["packed", "n-gram lookup", "packed + copy prior"]
     assert (tmp_path / "plots" / "position_acceptance.png").stat().st_size > 5000
     printed = capsys.readouterr().out
     assert "packed + copy prior" in printed and "lossless: True" in printed
+
+
+def test_second_turn_is_prompted_with_the_targets_own_first_answer(tiny_target, tmp_path):
+    from drafter_lib.heldout import conversation_items
+    from drafter_lib.teacher import encode_chat
+
+    model, tok = tiny_target
+    u1, u2 = {"role": "user", "content": "tell me a story"}, {"role": "user", "content": "shorter, please"}
+    items = conversation_items([{"id": "c", "category": "writing", "messages": [u1, u2]}])
+    cache = tmp_path / "refs.jsonl"
+    prompts, refs = ev.conversation_references(model, tok, items, 16, cache)
+    stop = stop_token_ids(tok)
+    assert prompts[0] == encode_chat(tok, [u1])
+    assert refs[0] == speculative_generate(model, prompts[0], 16, stop_ids=stop).tokens  # the target's greedy answer
+    answer = tok.decode(refs[0][:-1] if refs[0][-1] in stop else refs[0])
+    assert prompts[1] == encode_chat(tok, [u1, {"role": "assistant", "content": answer}, u2])
+    assert refs[1] == speculative_generate(model, prompts[1], 16, stop_ids=stop).tokens
+    assert [r["id"] for r in map(json.loads, cache.read_text().splitlines())] == ["c", "c#turn2"]
+    # both turns come from the cache now: no target needed
+    assert ev.conversation_references(None, tok, items, 16, cache) == (prompts, refs)
+
+
+def test_report_has_every_drafter_per_category_and_position(tiny_target, tmp_path):
+    from drafter_lib.acceptance import simulate
+    from drafter_lib.baselines import engine_from_state_dict, ngram_drafter
+    from drafter_lib.heldout import MULTI_TURN, conversation_items
+
+    model, tok = tiny_target
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    records = [{"id": "w", "category": "writing", "messages": [user("write about the sea"), user("now in rhyme")]},
+               {"id": "m", "category": "math", "messages": [user("what is 12 + 30? " * 3)]},
+               {"id": "long", "category": "summarization", "messages": [user("Summarize: " + "word " * 600)]}]
+    drafters = {"self": engine_from_state_dict(model.config, model.state_dict()),  # drafts what the target says
+                "n-gram lookup": ngram_drafter({"enabled": True, "max_ngram": 3, "min_ngram": 2})}
+    drafters["self"].max_context = 1024  # the 3k-token article does not fit
+    k = 4
+    m = ev.run_evaluation(model, tok, records, drafters, k=k, max_new_tokens=20, e2e_prompts=1,
+                          references_path=tmp_path / "refs.jsonl", log=lambda s: None)
+    assert m["left_out_too_long"] == ["long"] and m["item_ids"] == ["w", "m", "w#turn2"]
+    assert m["prompts_per_category"] == {"writing": 1, "math": 1, MULTI_TURN: 1} and m["multi_turn_prompts"] == 1
+    items = [it for it in conversation_items(records) if it["id"] != "long"]
+    prompts, refs = ev.conversation_references(model, tok, items, 20, tmp_path / "refs.jsonl")
+    groups = [it["category"] for it in items]
+    for name, d in drafters.items():
+        plain = simulate(d, prompts, refs, k=k, categories=groups).to_dict()  # one k-token draft per step
+        got = m["baselines"][name]
+        for key in ("mean_acceptance_length", "per_position_acceptance", "accepted_length_hist", "steps"):
+            assert got[key] == plain[key], (name, key)
+        assert m["mal_by_category"][name] == {"all": plain["mean_acceptance_length"], **{
+            c: v["mean_acceptance_length"] for c, v in plain["per_category"].items()}}
+        assert m["per_position_by_drafter"][name] == plain["per_position_acceptance"] and len(plain[
+            "per_position_acceptance"]) == k
+    assert m["mal_by_category"]["self"]["all"] > 3.0  # the target's own weights draft its greedy tokens
+    table = ev.baselines_table(m["baselines"], k, m["prompts_per_category"])
+    assert f"{MULTI_TURN}  " in table and "p@4" in table
+    pngs = ev.save_plots(m, tmp_path / "plots")
+    assert [p.name for p in pngs][-1] == "category_heatmap.png" and pngs[-1].stat().st_size > 5000

@@ -51,7 +51,7 @@ def cell_label(variant: str, draft_vocab: int | None, loss: str = "ce", loss_on_
 def grid_cells(specs: dict, train_cfg: dict, vocab_sizes: Sequence | None = None,
                losses: Sequence[str] | None = None, overrides: dict | None = None) -> list[tuple[str, dict]]:
     """(variant name, the cell's TrainConfig dict) for every variant x vocab size x loss; an axis left None keeps
-    `train_cfg`'s value. A cell train's TrainConfig rejects (a reduced vocabulary goes with loss "ce" only) is
+    `train_cfg`'s value. A cell train's TrainConfig rejects (e.g. a reduced vocabulary with kl_weight > 0) is
     skipped with a note. `overrides` (the user's --set) may not set what an axis sets."""
     from .train import TrainConfig
 

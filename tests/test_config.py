@@ -126,10 +126,12 @@ def test_wrong_types_name_the_key(overrides, key):
     ({"quant.embed_group_size": 48}, "quant.embed_group_size"),
     # soft labels and the draft vocabulary
     ({"teacher.soft_topk": -1}, "teacher.soft_topk"),
-    ({"teacher.soft_prompt": True}, "teacher.soft_prompt: needs teacher.soft_topk > 0"),
-    ({"train.loss": "kl_topk"}, "train.loss: 'kl_topk' trains on soft labels"),
-    ({"teacher.soft_topk": 8, "train.loss": "tv", "train.loss_on_prompt": True}, "train.loss_on_prompt"),
-    ({"train.draft_vocab_size": 64, "teacher.soft_topk": 8, "train.loss": "tv"}, "draft_vocab_size"),
+    ({"teacher.soft_topk": 0, "teacher.soft_prompt": True}, "teacher.soft_prompt: needs teacher.soft_topk > 0"),
+    ({"teacher.soft_topk": 0, "teacher.soft_prompt": False, "train.loss": "kl_topk"},
+     "train.loss: 'kl_topk' trains on soft labels"),
+    ({"teacher.soft_topk": 8, "teacher.soft_prompt": False, "train.loss": "tv", "train.loss_on_prompt": True},
+     "train.loss_on_prompt"),
+    ({"train.draft_vocab_size": 64, "train.kl_weight": 0.5}, "draft_vocab_size"),
 ])
 def test_impossible_values_name_the_key(overrides, key):
     with pytest.raises(C.ConfigError, match=key):

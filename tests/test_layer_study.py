@@ -133,14 +133,14 @@ def test_grid_cells_skip_what_train_rejects():
     cfg = LS.study_train_config(C.preset("default"), 4)
     cells = grid_cells({"first:2": "first:2"}, cfg, ["full", 64], ["ce", "kl_topk+prompt"])
     assert [(d["draft_vocab_size"], d["loss"], d["loss_on_prompt"]) for _, d in cells] == [
-        (None, "ce", False), (None, "kl_topk", True), (64, "ce", False)]  # 64 x kl_topk: soft labels are full-vocab
+        (None, "ce", False), (None, "kl_topk", True), (64, "ce", False), (64, "kl_topk", True)]
     assert [d for _, d in grid_cells({"even:2": "even:2"}, cfg)] == [cfg]  # no axis: the run's own config
     with pytest.raises(ValueError, match="clashes"):
         grid_cells({"first:2": "first:2"}, cfg, None, ["ce"], overrides={"loss": "tv"})
     with pytest.raises(ValueError, match="NAME\\+prompt"):
         grid_cells({"first:2": "first:2"}, cfg, None, ["ce+all"])
-    with pytest.raises(ValueError, match="every cell"):
-        grid_cells({"first:2": "first:2"}, cfg, [64], ["tv"])
+    with pytest.raises(ValueError, match="every cell"):  # a reduced head cannot take full-vocabulary KL
+        grid_cells({"first:2": "first:2"}, {**cfg, "kl_weight": 0.5, "teacher_model": "t"}, [64], ["tv"])
 
 
 def test_layer_study_grid_cost_speedup_resume_and_frontier(tiny_run, tmp_path, monkeypatch):

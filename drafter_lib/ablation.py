@@ -65,7 +65,7 @@ def loss_ablation(base_cfg, variants: Sequence[dict], prompts: Sequence[Sequence
         best = Path(res["out_dir"]) / "best_distill"
         engine = engine_from_state_dict(*load_hf_checkpoint(best), copy_policy=None)
         sim = simulate(engine, prompts, references, k=k, categories=categories, batch_size=sim_batch_size,
-                       desc=f"ablation {name}")
+                       desc=f"ablation {name}", grow=True)
         train_recs = [h for h in res["history"] if h.get("kind") == "train"]
         info = json.loads((best / "train_info.json").read_text())
         row = {"name": name, "overrides": ov, "mal": sim.overall.mean_acceptance_length,

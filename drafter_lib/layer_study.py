@@ -151,7 +151,7 @@ def mal_of(hf_config, state_dict, prompts, refs, groups, k: int, desc: str, batc
     from .baselines import engine_from_state_dict
 
     engine = engine_from_state_dict(hf_config, state_dict, copy_policy=None)
-    res = simulate(engine, prompts, refs, k=k, categories=groups, batch_size=batch_size, desc=desc)
+    res = simulate(engine, prompts, refs, k=k, categories=groups, batch_size=batch_size, desc=desc, grow=True)
     return {"mal": res.overall.mean_acceptance_length, "hist": list(res.overall.hist),
             "p_at_1": res.overall.per_position_acceptance[0],
             "mal_per_group": {c: s.mean_acceptance_length for c, s in res.per_category.items()},

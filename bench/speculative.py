@@ -167,10 +167,18 @@ def main(argv=None) -> list[dict]:
                 r = run_rows(target, prompts, args.max_new_tokens, stop, drafter, k)
                 rows.append({"target": tname, "drafter": dname, **r, "speedup": r["tok_s"] / plain["tok_s"],
                              "lossless": r["outputs"] == plain["outputs"]})
-            for r in rows[-len(drafters) - 1:]:
+            mine = rows[-len(drafters) - 1:]
+            for r in mine:
                 print(f"{r['target']:18} {r['drafter']:16} {r['tok_s']:7.1f} {r['speedup']:6.2f}x "
                       f"{r.get('mal', 1.0):5.2f} {r.get('draft_s', 0):8.1f} {r.get('verify_s', r['seconds']):8.1f} "
                       f"{str(r['lossless']):>8}", flush=True)
+            # the pack's default draft length: the fastest lossless setting on this target (pack.min_confidence)
+            best = max((r for r in mine[1:] if r["lossless"]), key=lambda r: r["speedup"], default=None)
+            dyn = max((r for r in mine[1:] if r["lossless"] and "dyn" in r["drafter"]), key=lambda r: r["speedup"],
+                      default=None)
+            if best is not None:
+                print(f"fastest on {tname}: {best['drafter']} ({best['speedup']:.2f}x)"
+                      + (f"; best threshold: {dyn['drafter']} ({dyn['speedup']:.2f}x)" if dyn else ""), flush=True)
         if not args.no_assisted:
             from drafter_lib.export import export_hf
 

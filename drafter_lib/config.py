@@ -88,6 +88,7 @@ def _default_copy_policy() -> CopyPolicy:
 class PackConfig:
     copy_policy: CopyPolicy = field(default_factory=_default_copy_policy)  # copy_policy.json of the pack
     checkpoint: str = "best"  # best (QAT) | best_distill (fp, packed with the same quantizer)
+    min_confidence: float | None = None  # the pack's default dynamic draft threshold (None: fixed-length drafts)
     publish: bool = False  # copy the pack to publish_dir (what serve.sh serves)
     publish_dir: str | None = None  # None: the repository's model/
 
@@ -373,7 +374,7 @@ STAGE_KEYS = {
     "01_data": ["study.teacher", "study.drafter_base", "study.seed", "data"],
     "02_teacher": ["study.device", "teacher"],
     "03_train_qat": ["study.keep_layers", "train", "quant"],
-    "04_pack": ["pack.copy_policy", "pack.checkpoint"],
+    "04_pack": ["pack.copy_policy", "pack.checkpoint", "pack.min_confidence"],
     "05_eval": ["eval"],
 }
 STAGE_LOCAL_KEYS = {"04_pack": ["pack.publish", "pack.publish_dir"]}  # later stages do not depend on these

@@ -164,6 +164,8 @@ def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = Tr
     _check_train(cfg)
     _check_quant(cfg)
     _need(p.checkpoint in CHECKPOINTS, "pack.checkpoint", f"expected one of {CHECKPOINTS}, got {p.checkpoint!r}")
+    _need(p.min_confidence is None or 0 <= p.min_confidence <= 1, "pack.min_confidence",
+          f"must be null or in [0, 1], got {p.min_confidence!r}")
     _at_least(e.limit, 1, "eval.limit", optional=True)
     _at_least(e.max_new_tokens, 1, "eval.max_new_tokens")
     _at_least(e.k, 1, "eval.k")

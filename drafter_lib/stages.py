@@ -228,7 +228,8 @@ def pack_run(cfg: C.StudyConfig, run: RunLayout) -> dict:
     model = load_hf_drafter(ckpt).eval()  # a reduced draft-vocabulary head loads too
     out = pack.pack_checkpoint(model, model.config, run.model_dir, qconfig,
                                copy_policy=to_jsonable(cfg.pack.copy_policy),
-                               extra_manifest={"run": run.name, "checkpoint": cfg.pack.checkpoint})
+                               extra_manifest={"run": run.name, "checkpoint": cfg.pack.checkpoint},
+                               min_confidence=cfg.pack.min_confidence)
     packed = read_model_dir(out)  # verifies the sha256 of every file
     return {"model_dir": Path(out), "checkpoint": ckpt, "qconfig": qconfig,
             "sizes": {p.name: p.stat().st_size for p in sorted(Path(out).iterdir())},

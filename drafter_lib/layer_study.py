@@ -237,6 +237,10 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
     max_new_tokens = max_new_tokens or study_cfg.eval.max_new_tokens
     cfg_d = study_train_config(study_cfg, steps, base_cfg_overrides)
     cfg_d.update({"base_model": base_spec, "teacher_model": teacher_spec, "num_threads": num_threads})
+    if not cfg_d.get("soft_labels"):  # the subsets and val file are cut from the run's targets: same soft labels
+        from .soft_labels import soft_dir_for
+
+        cfg_d["soft_labels"] = str(soft_dir_for(run.targets))
 
     # fail on a bad variant before spending any time; skip the cells train rejects
     base, tok = hf_models.load_drafter_base(base_spec, dtype=torch.float32)

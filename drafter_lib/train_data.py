@@ -67,12 +67,13 @@ def load_examples(path: str | os.PathLike, max_seq_len: int, soft_dir: str | os.
 
 def soft_dir_of(cfg, targets_path: str) -> str | None:
     """The soft-label dir a TrainConfig reads for a targets file: None when its objective needs none; its
-    `soft_labels` for the training file; else the default dir beside the file (`soft_labels.soft_dir_for`)."""
+    `soft_labels` (labels join rows by id, so one teacher dir serves train and val files cut from its targets);
+    else the default dir beside the file (`soft_labels.soft_dir_for`)."""
     from drafter_lib.soft_labels import soft_dir_for
 
     if cfg.loss == "ce" and not cfg.loss_on_prompt:
         return None
-    return cfg.soft_labels if cfg.soft_labels and targets_path == cfg.train_path else str(soft_dir_for(targets_path))
+    return cfg.soft_labels or str(soft_dir_for(targets_path))
 
 
 def split_val(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:

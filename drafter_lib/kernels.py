@@ -68,6 +68,8 @@ def _gemv_fp16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _compiled_gemv():
+    cfg = torch._dynamo.config  # one graph per weight shape: room for more shapes than the default 8
+    cfg.recompile_limit = max(cfg.recompile_limit, 64)
     return torch.compile(_gemv_fp16, dynamic=False, fullgraph=True)
 
 
@@ -226,11 +228,11 @@ def hold_measured(model, stored_rows: dict | None = None, approximate: bool = Fa
     weights = {s: list({id(m.weight): m.weight.data for _, _, m in mods}.values()) for s, mods in groups.items()}
     plan = choose_paths(weights, approximate)
     for s, mods in groups.items():
-        path = plan[f"{s[0]}x{s[1]}"]["path"]
-        if path == "float16+compile" and not compile_works():
-            path = "float16"  # the same numerics class, without the fused loop
+        key = f"{s[0]}x{s[1]}"
+        if plan[key]["path"] == "float16+compile" and not compile_works():
+            plan[key] = dict(plan[key], path="float16")  # the same numerics, without the fused loop
         for parent, name, mod in mods:
-            hold_path(parent, name, mod, path)
+            hold_path(parent, name, mod, plan[key]["path"])
     emb = model.model.embed_tokens
     plan["embedding"] = dict(path="int8 rows (exact)" if rows else str(emb.weight.dtype).replace("torch.", ""))
     return plan

@@ -138,10 +138,29 @@ def test_float32_plan_drafts_exactly_as_float32(hf, cache_dir, monkeypatch, tmp_
     assert auto.draft_batch(reqs, 10) == ref.draft_batch(reqs, 10)
 
 
-def test_decode_read_bytes_counts_weights_as_held(hf, cache_dir, monkeypatch):
+def test_cached_compiled_choice_falls_back_where_it_no_longer_compiles(hf, cache_dir, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_COMPILE", "1")
+    if not kernels.compile_wanted():
+        pytest.skip("no C++ compiler")
+    count_timings(monkeypatch, prefer="float16+compile")  # as if an earlier process had chosen it
+    monkeypatch.setattr(kernels, "compile_works", lambda: False)
+    eng = make_engine(hf, dtype="auto")
+    assert all(v["path"] == "float16" for k, v in eng.kernels.items() if k != "embedding")
+    assert not any(isinstance(m, kernels.CompiledGemvLinear) for m in eng.model.modules())
+
+
+def test_decode_read_bytes_counts_weights_as_held(hf, cache_dir, monkeypatch, tmp_path):
+    from drafter_lib.model_dir import write_model_dir
+    from drafter_lib.quantization import QuantConfig
+
     count_timings(monkeypatch, prefer="float16")
     e16, e32 = make_engine(hf, dtype="auto"), make_engine(hf, dtype="float32")
-    lin = sum(m.weight.numel() for m in {id(m.weight): m for m in hf.modules()
-                                       if isinstance(m, torch.nn.Linear)}.values())
+    weights = {id(m.weight): m.weight for m in hf.modules() if isinstance(m, torch.nn.Linear)}.values()
+    lin = sum(w.numel() for w in weights)
     assert kernels.decode_read_bytes(e32.model) == 4 * lin
     assert kernels.decode_read_bytes(e16.model) == 2 * lin
+    # a pack: the tied head is read as int8 rows + an fp32 scale and row norm per row
+    write_model_dir(tmp_path / "m", hf.config.to_dict(), hf.state_dict(), QuantConfig.default_for(group_size=16))
+    packed = DraftEngine.from_dir(tmp_path / "m")
+    head = hf.lm_head.weight.numel()
+    assert kernels.decode_read_bytes(packed.model) == 2 * (lin - head) + head + 2 * 4 * V

@@ -62,16 +62,18 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def copy_bandwidth(nbytes: int, reps: int = 5) -> float:
-    """GB/s of a `copy_` of nbytes: (bytes read + bytes written) / time, best of reps."""
+def bandwidth(nbytes: int, copy: bool = True, reps: int = 5) -> float:
+    """GB/s, best of reps: a `copy_` of nbytes ((bytes read + bytes written) / time), or (copy=False) a `sum`
+    re-reading the same nbytes (bytes read / time; a size that fits the last-level cache is read from it)."""
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
+    op = (lambda: dst.copy_(src)) if copy else src.sum
     best = float("inf")
     for _ in range(reps + 1):
         t = time.perf_counter()
-        dst.copy_(src)
+        op()
         best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best / 1e9
+    return (2 if copy else 1) * nbytes / best / 1e9
 
 
 def build_hf_and_pack(args, out_dir: Path):
@@ -193,12 +195,12 @@ def main():
     cfg = next(iter(engines.values())).config
     first = next(iter(engines.values()))
     ws_bytes = decode_read_bytes(first.model)
-    bw, bw_ws = copy_bandwidth(1 << 30), copy_bandwidth(max(ws_bytes, 1 << 20))
+    bw, bw_ws = bandwidth(1 << 30), bandwidth(max(ws_bytes, 1 << 20), copy=False)
     print(f"\nmodel: {cfg.arch} layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size}")
     print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  torch {torch.__version__}  "
           f"threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
-    print(f"copy bandwidth: {bw:.1f} GB/s (1 GiB copy_, read + written bytes); {bw_ws:.1f} GB/s at "
-          f"{ws_bytes / 2**20:.0f} MiB (the first mode's decode weights: cache-resident if they fit)")
+    print(f"copy bandwidth: {bw:.1f} GB/s (1 GiB copy_, read + written bytes); re-reading {ws_bytes / 2**20:.0f} "
+          f"MiB (the first mode's decode weights) {bw_ws:.1f} GB/s (from the last-level cache where they fit)")
     for mode, eng in engines.items():
         if eng.kernels:
             paths = "  ".join(f"{s} {e['path']}" + (" (" + " ".join(f"{p} {us:.0f}" for p, us in

@@ -1,10 +1,13 @@
-"""Engine vs transformers `generate` on the same weights: 16-token draft latency, warm-prefix gain, memory.
+"""Engine vs transformers `generate` on the same weights: 16-token draft latency, warm-prefix gain, memory, and
+warm-decode tokens/s against the machine's bandwidth limit.
 
     python bench/engine.py                      # default drafter: SmolLM2-135M-Instruct pruned to --keep, packed
     python bench/engine.py --model-dir model/   # an existing packed model dir
     python bench/engine.py --tiny               # tiny random model (no teacher needed; smoke run)
 
-The engine is loaded from a packed model dir (int4 linears / int8 embeddings restored) once per --modes entry;
+The engine is loaded from a packed model dir (int4 linears / int8 embeddings restored) once per --modes entry
+("auto": the kernel paths measured fastest on this machine, cached in ~/.cache/specdraft/kernels.json; with
+--fresh-kernels they are measured again), without the copy prior, so every case is k model-drafted tokens;
 the HF baseline gets the same restored weights in fp32. Cases per context length n (all k-token greedy drafts):
 - HF: `generate` on the n-token prompt (no cache reuse).
 - cold: the engine with nothing cached for the request (a new first token each rep).
@@ -12,9 +15,13 @@ the HF baseline gets the same restored weights in fp32. Cases per context length
   so the engine reuses request i's KV and computes only the new tail.
 - branch: a request sharing all but the last 8 tokens with a cached one (shared system prompt, new user turn);
   the shared prefix's KV is copied.
+- decode: request i+1 = request i + its whole draft, so all but its last token are cached: k one-row forward
+  passes per call. Its tokens/s is compared with the bandwidth limit: bytes read per token (the weights as held,
+  `kernels.decode_read_bytes`, + the K/V of the context) / the copy bandwidth measured here (a 1 GiB `copy_`,
+  read + written bytes per second). A decode step whose weights stay in a large last-level cache can beat it.
 Systems are interleaved round by round and the median of --reps is reported (other processes may share the CPU).
 Goals (reported, not asserted): engine >= 3x faster than HF generate, warm >= 5x faster than cold at 1k context,
-loaded weights <= 0.4x the fp32 size.
+loaded weights <= 0.4x the fp32 size, warm decode >= 50% of the bandwidth limit.
 """
 from __future__ import annotations
 
@@ -39,6 +46,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter_lib.engine import DraftEngine  # noqa: E402
+from drafter_lib.kernels import cache_file, cpu_model, decode_read_bytes  # noqa: E402
 from drafter_lib.weight_formats import weight_bytes  # noqa: E402
 
 
@@ -52,6 +60,20 @@ def rss_mb() -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def bandwidth(nbytes: int, copy: bool = True, reps: int = 5) -> float:
+    """GB/s, best of reps: a `copy_` of nbytes ((bytes read + bytes written) / time), or (copy=False) a `sum`
+    re-reading the same nbytes (bytes read / time; a size that fits the last-level cache is read from it)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    op = (lambda: dst.copy_(src)) if copy else src.sum
+    best = float("inf")
+    for _ in range(reps + 1):
+        t = time.perf_counter()
+        op()
+        best = min(best, time.perf_counter() - t)
+    return (2 if copy else 1) * nbytes / best / 1e9
 
 
 def build_hf_and_pack(args, out_dir: Path):
@@ -96,8 +118,10 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="tiny random model instead of the default drafter")
     ap.add_argument("--keep", default="even:8", help="layers of the teacher kept in the default drafter")
     ap.add_argument("--group-size", type=int, default=64)
-    ap.add_argument("--modes", nargs="+", default=["float16", "int8"], choices=["float16", "float32", "int8"],
+    ap.add_argument("--modes", nargs="+", default=["auto", "float16", "int8"],
+                    choices=["auto", "auto-approx", "float16", "float32", "bfloat16", "int8"],
                     help="engine weight modes compared side by side")
+    ap.add_argument("--fresh-kernels", action="store_true", help="measure the auto paths again (temporary cache)")
     ap.add_argument("--k", type=int, default=16)
     ap.add_argument("--accepted", type=int, default=4, help="draft tokens accepted per step in the warm case")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024])
@@ -109,17 +133,21 @@ def main():
     torch.manual_seed(0)
     rnd = random.Random(0)
     tmp = tempfile.TemporaryDirectory()
+    if args.fresh_kernels:
+        os.environ["SPECDRAFT_CACHE_DIR"] = str(Path(tmp.name) / "kernel-cache")
     hf, model_dir = build_hf_and_pack(args, Path(tmp.name))
     V, k = hf.config.vocab_size, args.k
     fp32 = sum(p.numel() * 4 for p in {id(p): p for p in hf.parameters()}.values()) / 2**20
 
-    engines, mem = {}, {}
+    engines, mem, load_s = {}, {}, {}
     for mode in args.modes:
         before = rss_mb()
-        engines[mode] = DraftEngine.from_dir(model_dir, dtype=mode)
+        t = time.perf_counter()
+        engines[mode] = DraftEngine.from_dir(model_dir, dtype=mode, copy_policy={"enabled": False})
+        load_s[mode] = time.perf_counter() - t
         mem[mode] = (weight_bytes(engines[mode].model) / 2**20, rss_mb() - before)
 
-    results = {}  # (n, system) -> median seconds
+    results, decode_ctx = {}, {}  # (n, system) -> median seconds; (n, mode) -> mean context of the decode case
     for n in args.contexts:
         prompt = torch.randint(0, V, (n,)).tolist()
 
@@ -144,7 +172,15 @@ def main():
             def branch(eng=eng, prompt=prompt, n=n):
                 eng.draft(prompt[:n - 8] + [rnd.randrange(V) for _ in range(8)], k)
 
-            cases.update({(mode, "cold"): cold, (mode, "warm"): warm, (mode, "branch"): branch})
+            dstate = {"req": list(prompt), "ctx": []}
+
+            def decode(eng=eng, st=dstate):
+                st["req"] = st["req"] + eng.draft(st["req"], k)
+                st["ctx"].append(len(st["req"]) - k / 2)
+
+            cases.update({(mode, "cold"): cold, (mode, "warm"): warm, (mode, "branch"): branch,
+                          (mode, "decode"): decode})
+            decode_ctx[n, mode] = dstate["ctx"]
         times = {name: [] for name in cases}
         names = list(cases)
         for r in range(args.reps + 1):  # round 0 warms up; order rotates so no system always runs first
@@ -157,10 +193,22 @@ def main():
             results[n, name] = statistics.median(ts)
 
     cfg = next(iter(engines.values())).config
-    print(f"\nmodel: {cfg.arch} layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size} "
-          f"cpu={torch.backends.cpu.get_cpu_capability()} threads={torch.get_num_threads()} "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} k={k} "
-          f"warm: +{args.accepted} accepted +1 bonus per request (median of {args.reps}, interleaved)")
+    first = next(iter(engines.values()))
+    ws_bytes = decode_read_bytes(first.model)
+    bw, bw_ws = bandwidth(1 << 30), bandwidth(max(ws_bytes, 1 << 20), copy=False)
+    print(f"\nmodel: {cfg.arch} layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size}")
+    print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  torch {torch.__version__}  "
+          f"threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+    print(f"copy bandwidth: {bw:.1f} GB/s (1 GiB copy_, read + written bytes); re-reading {ws_bytes / 2**20:.0f} "
+          f"MiB (the first mode's decode weights) {bw_ws:.1f} GB/s (from the last-level cache where they fit)")
+    for mode, eng in engines.items():
+        if eng.kernels:
+            paths = "  ".join(f"{s} {e['path']}" + (" (" + " ".join(f"{p} {us:.0f}" for p, us in
+                                                             e["us_per_call"].items()) + " us)"
+                                                    if "us_per_call" in e else "")
+                              for s, e in eng.kernels.items())
+            print(f"kernels {mode} (load {load_s[mode]:.1f} s, cache {cache_file()}): {paths}")
+    print(f"\nk={k}, warm: +{args.accepted} accepted +1 bonus per request (median of {args.reps}, interleaved)")
     print(f"{'ctx':>5} {'system':>14} | {'latency':>10} {'tok/s':>7} | {'HF/this':>7} {'cold/this':>9}")
     for n in args.contexts:
         t_hf = results[n, "HF"]
@@ -171,10 +219,21 @@ def main():
                 t = results[n, (mode, case)]
                 print(f"{n:>5} {mode + ' ' + case:>14} | {t * 1e3:>7.1f} ms {k / t:>7.1f} | {t_hf / t:>6.2f}x "
                       f"{t_cold / t:>8.2f}x")
+    print("\nwarm decode (k one-row passes per call) vs the bandwidth limit = copy bandwidth / bytes read per token")
+    print(f"{'ctx':>5} {'mode':>12} | {'tok/s':>7} | {'weights MiB':>11} {'KV MiB':>7} | {'limit tok/s':>11} "
+          f"{'fraction':>8}")
+    for n in args.contexts:
+        for mode, eng in engines.items():
+            ctx = statistics.mean(decode_ctx[n, mode])
+            w, kv = decode_read_bytes(eng.model), eng.kv_bytes_per_token * ctx
+            rate, limit = k / results[n, (mode, "decode")], bw * 1e9 / (w + kv)
+            print(f"{n:>5} {mode:>12} | {rate:>7.1f} | {w / 2**20:>11.1f} {kv / 2**20:>7.1f} | {limit:>11.1f} "
+                  f"{rate / limit:>8.0%}")
     for mode, (loaded, rss) in mem.items():
         print(f"memory {mode:>8}: weights {loaded:.1f} MiB (RSS +{rss:.1f} MiB after load) vs fp32 {fp32:.1f} MiB "
               f"-> {loaded / fp32:.2f}x (RSS {rss / fp32:.2f}x)")
-    print("goals: engine warm >= 3x HF generate (HF/this), warm >= 5x cold at 1k (cold/this), weights <= 0.4x fp32")
+    print("goals: engine warm >= 3x HF generate (HF/this), warm >= 5x cold at 1k (cold/this), weights <= 0.4x fp32, "
+          "warm decode >= 50% of the bandwidth limit")
 
 
 if __name__ == "__main__":

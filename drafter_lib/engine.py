@@ -5,13 +5,17 @@
     drafts = engine.draft_batch([t1, t2], 16)  # one Draft per request; decode steps batched across them
     engine.draft(tokens, 16, min_confidence=0.3, return_probs=True)  # dynamic length; Draft.probs
 
-- Weights (held as `weight_formats.hold_weights` says): "float16" (default): decoder linears in fp16 (half the
-  memory), computed with fp32 activations; the embedding/lm_head as the pack's int8 rows, read as stored, with
-  an exact greedy argmax at int8 GEMV speed (`Int8Head`). "int8": int8 linears with per-token int8 activations
-  (approximate, opt-in). "float32": everything fp32 (bit-comparable with transformers).
+- Weights: "auto" (default): each weight shape held in the path measured fastest on this machine for a decode
+  step, among fp32, fp16 (upcast per call) and fp16 with a compiled fused GEMV (`kernels.py`: the choice is
+  cached per CPU, torch version and thread count; "auto-approx" adds bf16 and int8). Fixed modes (as
+  `weight_formats.hold_weights` holds them): "float16": decoder linears in fp16 (half the memory), computed with
+  fp32 activations; "int8": int8 linears with per-token int8 activations (approximate, opt-in); "float32":
+  everything fp32 (bit-comparable with transformers). Every mode but "float32" holds the embedding/lm_head as the
+  pack's int8 rows (read as stored) when that is exact, with an exact greedy argmax at int8 GEMV speed (`Int8Head`).
 - The same request gets the same draft whatever the cache state and whatever else shares its batch: every token
   runs the same math whether it is part of a long prefill, a one-token tail after a cached prefix or a row of a
-  batched decode step (no path is chosen by the number of rows; see hold_weights).
+  batched decode step (no path is chosen by the number of rows; see hold_weights and kernels.py), up to fp32
+  summation order.
 - Dynamic draft length: with a threshold c > 0 (`min_confidence` per request, else the model dir's
   `draft_min_confidence`; 0 turns it off) the draft stops before the first model-drafted token whose probability
   under the drafter (softmax over the head's logits, fp32) is below c. Tokens the copy prior proposes in "prefix"
@@ -40,6 +44,7 @@ import torch
 
 from .copy_policy import CopyPolicy
 from .io_utils import check_token_ids
+from .kernels import hold_measured
 from .model import KVCache, ModelConfig, Transformer
 from .prefix_cache import PrefixCache
 from .speculative import accepted_length
@@ -48,8 +53,9 @@ from .weight_formats import Int8Head, _int_mm, hold_weights, read_int8_rows, wei
 __all__ = ["DraftEngine", "Draft", "DTYPES", "DEFAULT_DTYPE", "DEFAULT_MAX_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS",
            "MIN_CONFIDENCE_KEY"]
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": "int8"}
-DEFAULT_DTYPE = "float16"  # how weights are held unless told otherwise (the server's ENGINE_DTYPE default)
+DTYPES = {"auto": "auto", "auto-approx": "auto-approx", "float32": torch.float32, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "int8": "int8"}
+DEFAULT_DTYPE = "auto"  # how weights are held unless told otherwise (the server's ENGINE_DTYPE default)
 DEFAULT_MAX_CACHE_BYTES = 256 << 20  # a small machine: ~21k cached tokens of the shipped 8-layer drafter
 DEFAULT_MAX_BATCH_TOKENS = 4096  # in-flight KV slots per decode group (48 MiB for the shipped drafter)
 MIN_CONFIDENCE_KEY = "draft_min_confidence"  # the model dir's default threshold, in its config.json
@@ -119,7 +125,12 @@ class DraftEngine:
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} unknown; expected one of {list(DTYPES)}")
         self.dtype = dtype
-        self.model = hold_weights(model.eval(), DTYPES[dtype], stored_rows)
+        self.kernels = None  # dtype "auto": the measured path per weight shape (kernels.hold_measured)
+        if dtype.startswith("auto"):
+            self.kernels = hold_measured(model.eval(), stored_rows, approximate=dtype == "auto-approx")
+            self.model = model
+        else:
+            self.model = hold_weights(model.eval(), DTYPES[dtype], stored_rows)
         self.config: ModelConfig = model.config
         self.vocab_size = self.config.vocab_size
         self.max_context = self.config.max_position_embeddings
@@ -193,7 +204,8 @@ class DraftEngine:
         m = self._meta
         return dict(config=self.config.to_dict(), hf_config=m.get("hf_config"), quantization=m.get("quantization"),
                     manifest_sha256=m.get("manifest_sha256"), path=m.get("path"),
-                    copy_policy=self.copy_policy.to_dict(), dtype=self.dtype, vocab_size=self.vocab_size,
+                    copy_policy=self.copy_policy.to_dict(), dtype=self.dtype, kernels=self.kernels,
+                    vocab_size=self.vocab_size,
                     max_context=self.max_context, min_confidence=self.min_confidence,
                     weight_bytes=weight_bytes(self.model), kv_bytes_per_token=self.kv_bytes_per_token,
                     max_batch_tokens=self.max_batch_tokens, max_cache_tokens=self.max_cache_tokens,

@@ -53,7 +53,7 @@ class Settings:
     batch_window_ms: float = 20.0  # max wait for stragglers (see drafter_lib/batching.py); 0 = never wait
     max_batch: int = 32
     log_level: str = "info"
-    engine_dtype: str | None = None  # DraftEngine weight dtype ("float16", "float32", ...); None = its default
+    engine_dtype: str | None = None  # DraftEngine dtype ("auto", "float16", "float32", ...); None = its default
     max_queue: int = 128  # requests waiting for a batch before 503
     request_timeout_s: float = 30.0  # a request not answered by then gets 503
     max_cache_mb: float = 256.0  # prefix KV cache bound

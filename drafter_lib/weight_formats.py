@@ -24,7 +24,7 @@ from . import quantization as Q
 from .model import Linear
 
 __all__ = ["Int8DynLinear", "Int8Embedding", "Int8Head", "int8_rows", "int8_exact", "read_int8_rows",
-           "hold_weights", "weight_bytes"]
+           "hold_weights", "hold_table_rows", "hold_linear", "linears", "weight_bytes"]
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -173,37 +173,53 @@ def hold_weights(model, dtype, stored_rows: dict | None = None):
     """Hold `model`'s weights in the engine's format for `dtype` (a torch dtype or "int8"); returns the model.
 
     Matrices go to `dtype`, norms and biases stay fp32, tied weights stay one tensor. Below fp32 the embedding
-    and lm_head are held as int8 rows when that is exact: `stored_rows` (a packed dir's int8 rows, read as
-    stored) or rows derived from a state dict that per-row int8 holds exactly. "int8" also turns the decoder
-    linears into Int8DynLinear.
+    and lm_head are held as int8 rows when that is exact (`hold_table_rows`). "int8" also turns the decoder
+    linears into Int8DynLinear. (`kernels.hold_measured` chooses a format per weight shape instead.)
     """
+    if dtype != torch.float32 and not hold_table_rows(model, stored_rows, force=dtype == "int8"):
+        emb = model.model.embed_tokens
+        emb.weight.data = emb.weight.data.to(dtype)  # a tied lm_head shares it
+    for parent, name, mod in linears(model):
+        hold_linear(parent, name, mod, dtype)
+    return model
+
+
+def hold_table_rows(model, stored_rows: dict | None = None, force: bool = False) -> bool:
+    """Embedding and lm_head -> int8 rows (Int8Embedding / Int8Head) when per-row int8 holds them exactly:
+    `stored_rows` (a packed dir's int8 rows, read as stored) or rows derived from weights that int8 holds exactly;
+    `force`: always (approximate). Returns whether they were converted."""
     stored_rows = dict(stored_rows or {})
     if model.config.tie_word_embeddings:
         stored_rows.pop(LM_HEAD, None)
     weights = {EMBED: model.model.embed_tokens.weight.data}
     if not model.config.tie_word_embeddings:
         weights[LM_HEAD] = model.lm_head.weight.data
-    if dtype == "int8" or (dtype != torch.float32 and all(n in stored_rows or int8_exact(w)
-                                                          for n, w in weights.items())):
-        _int8_table_and_head(model, {n: stored_rows.get(n) or int8_rows(w) for n, w in weights.items()})
+    if not (force or all(n in stored_rows or int8_exact(w) for n, w in weights.items())):
+        return False
+    _int8_table_and_head(model, {n: stored_rows.get(n) or int8_rows(w) for n, w in weights.items()})
+    return True
+
+
+def linears(model) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, module) of every nn.Linear (lm_head included unless held as int8 rows)."""
+    return [(mod, name, child) for mod in list(model.modules()) for name, child in list(mod.named_children())
+            if isinstance(child, nn.Linear)]
+
+
+def hold_linear(parent: nn.Module, name: str, mod: nn.Linear, dtype) -> nn.Module:
+    """Hold one linear as `dtype` (a torch dtype: weight cast in place, shared with a tied embedding; "int8":
+    Int8DynLinear); returns the module now at parent.name."""
     if dtype == "int8":
-        for mod in list(model.modules()):
-            for cname, child in list(mod.named_children()):
-                if isinstance(child, nn.Linear):
-                    setattr(mod, cname, Int8DynLinear(child.weight.data, child.bias))
-        return model
-    done = set()
-    for mod in model.modules():
-        if isinstance(mod, (nn.Linear, nn.Embedding)) and id(mod.weight) not in done:
-            mod.weight.data = mod.weight.data.to(dtype)
-            done.add(id(mod.weight))
-        if isinstance(mod, Linear):
-            # model.Linear would compute calls of <= small_m rows with fp16 activations and longer ones in fp32:
-            # a request whose prefix is cached (a 1-token tail) then gets other bits than the same request
-            # computed cold, and drafts of the shipped model changed with the cache state. One path for every
-            # row: fp32 activations, the held weight upcast per call.
-            mod.small_m = 0
-    return model
+        setattr(parent, name, Int8DynLinear(mod.weight.data, mod.bias))
+        return getattr(parent, name)
+    if mod.weight.dtype != dtype:  # a tied weight is one tensor: cast once
+        mod.weight.data = mod.weight.data.to(dtype)
+    if isinstance(mod, Linear):
+        # model.Linear would compute calls of <= small_m rows with fp16 activations and longer ones in fp32: a
+        # request whose prefix is cached (a 1-token tail) then got other roundings than the same request computed
+        # cold, and drafts of the shipped model changed with the cache state. Every call: fp32 activations.
+        mod.small_m = 0
+    return mod
 
 
 def weight_bytes(model: nn.Module) -> int:

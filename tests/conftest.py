@@ -1,6 +1,14 @@
 """Tiny test models and tokenizers shared by the test files: offline, seeded, built in milliseconds."""
+import os
+import tempfile
+
 import pytest
 import torch
+
+# The engine's measured kernel choice (drafter_lib/kernels.py) is cached in a directory of this session, not the
+# user's ~/.cache, and without the compiled path (seconds of compiling per shape); tests that want it set it.
+os.environ["SPECDRAFT_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdraft-test-cache-")
+os.environ["SPECDRAFT_COMPILE"] = "0"
 
 # The tiny Llama the quantization and packing tests share: group sizes 32/64 divide its 64/128 dims.
 TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

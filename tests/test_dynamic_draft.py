@@ -140,20 +140,21 @@ def _loop_requests(eng, n, k, seed):
 
 
 @pytest.mark.parametrize("dtype,copy", [("float32", None), ("float16", None), ("float16", COPY),
-                                        ("float16", {**COPY, "mode": "accelerate"}), ("int8", None)])
+                                        ("float16", {**COPY, "mode": "accelerate"}), ("int8", None),
+                                        ("auto", COPY)])
 def test_mixed_thresholds_batch_equals_single_and_warm_equals_cold(dtype, copy, tmp_path):
     """Rows that stop leave the batch; every request's draft (and its probabilities) equals the same request sent
     alone to a cold engine, and the loop's next request after an early stop equals a cold one (only computed
-    positions were cached). float16 loads a packed dir, so the head is the exact-argmax Int8Head."""
+    positions were cached). float16 and auto load a packed dir, so the head is the exact-argmax Int8Head."""
     m = sharp(1.0, seed=3)
-    if dtype == "float16":
+    if dtype in ("float16", "auto"):
         from drafter_lib.model_dir import write_model_dir
         from drafter_lib.quantization import QuantConfig
 
         write_model_dir(tmp_path / "m", m.config.to_dict(), m.state_dict(), QuantConfig.default_for(group_size=16))
 
         def new():
-            return DraftEngine.from_dir(tmp_path / "m", copy_policy=copy or {})
+            return DraftEngine.from_dir(tmp_path / "m", dtype=dtype, copy_policy=copy or {})
     else:
         def new():
             return make_engine(m, dtype=dtype, copy_policy=copy)
@@ -235,7 +236,7 @@ def test_int8_head_logits_are_fp32_accurate():
 
 
 def test_packed_int8_head_probs_equal_softmax_of_its_logits(tmp_path):
-    """The float16 engine of a pack (Int8Head: the exact argmax, probabilities from int8_head_logits): its tokens
+    """The default engine of a pack (Int8Head: the exact argmax, probabilities from int8_head_logits): its tokens
     are the argmax and its probabilities the softmax of the head's dequantized fp32 logits over the same hidden
     states (recomputed here as one prefill)."""
     from drafter_lib.model_dir import write_model_dir

@@ -194,16 +194,22 @@ def _sharp_model(std: float):
     return m
 
 
-@pytest.mark.parametrize("dtype", ["float16", "int8"])
+@pytest.mark.parametrize("dtype", ["float16", "int8", "auto"])
 def test_same_request_same_draft_whatever_cache_and_batch(dtype):
     """DESIGN: the same request gets the same draft whatever the cache state and whatever shares its batch.
     Weights with std 1 make logits sharp enough that rounding differences flip greedy tokens: with fp16
     activations for <= 4 rows and fp32 for more (the old Linear path choice), 4 of these 100 requests drafted
     differently warm than cold; with a batch-wide int8 activation scale, batches changed drafts too."""
+    m = _sharp_model(1.0)
+    check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype=dtype))
+
+
+def check_same_draft_whatever_cache_and_batch(make):
+    """100 speculative-loop requests: warm = again = cold, and batched (cold, then warm, other neighbours) =
+    alone, for engines from `make()`."""
     import random
 
-    m = _sharp_model(1.0)
-    loop, cold, batched = make_engine(m, dtype=dtype), make_engine(m, dtype=dtype), make_engine(m, dtype=dtype)
+    loop, cold, batched = make(), make(), make()
     rng = random.Random(0)
     reqs, answers = [], []
     for i in range(100):
@@ -266,7 +272,7 @@ def test_from_dir_holds_the_packed_int8_rows_as_stored(hf, tmp_path):
     from drafter_lib.quantization import QuantConfig
 
     write_model_dir(tmp_path / "m", hf.config.to_dict(), hf.state_dict(), QuantConfig.default_for(group_size=16))
-    eng = DraftEngine.from_dir(tmp_path / "m")  # the default float16 mode
+    eng = DraftEngine.from_dir(tmp_path / "m")  # the default "auto" mode
     emb = eng.model.model.embed_tokens
     name = "model.embed_tokens.weight"
     with safe_open(str(tmp_path / "m" / "weights.safetensors"), "pt") as f:

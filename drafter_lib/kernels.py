@@ -1,0 +1,258 @@
+"""Kernels chosen by measurement on the machine at hand: the engine's dtype="auto" (its default).
+
+At load, for each distinct weight shape of the model, the engine times the candidate paths for a one-row (decode)
+call and holds every weight of that shape in the fastest (`hold_measured`). A shape's timing runs all of the
+model's weights of that shape back to back, as a decode step reads them (one matrix alone would run from cache and
+flatter the wider formats), with the paths interleaved round by round; the median round counts. The choice is
+cached in `$SPECDRAFT_CACHE_DIR/kernels.json` (default `~/.cache/specdraft/`) under the machine's key (CPU model
+name, `torch.backends.cpu.get_cpu_capability()`, torch version, torch threads), so a second load looks it up and
+times nothing. A corrupt cache file is ignored with a warning (and rewritten); delete it to measure again.
+
+Paths (`PATHS`):
+- "float32": the weight as loaded, fp32 matmul: the reference.
+- "float16": the weight held in fp16 (half the bytes), upcast to fp32 per call.
+- "float16+compile": fp16 weight; a one-row call runs an inductor-compiled loop that reads the fp16 weight once
+  and accumulates in fp32 (no fp32 copy is written and read back); a call of more rows runs as "float16". Only
+  where inductor compiles (a C++ compiler) and `SPECDRAFT_COMPILE` is not "0"; where the cached choice no longer
+  compiles, "float16" is held instead.
+- "bfloat16" (bf16 weight upcast per call) and "int8" (`Int8DynLinear`, int8 activations per token) are
+  approximate: candidates only with dtype="auto-approx".
+
+Exact enough, and deterministic: every default path multiplies fp32 activations by weights fixed at load and sums
+in fp32; the weights are the loaded fp32 values or their fp16 rounding (2**-11 relative, the precision the engine
+has always served by default). So a chosen fp16 path may draft differently from dtype="float32" at a near-tie; a
+plan that chose "float32" everywhere drafts exactly as dtype="float32" does (the embedding and the tied head are
+held as int8 rows only where that is exact, whose greedy argmax is exact). The path belongs to the weight, never to
+the call: every row of every call (a prefill chunk, a cached prefix's one-token tail, a row of a batched decode
+step) runs the same held weight in fp32, so the same request gets the same draft whatever the cache state and
+whatever shares its batch, up to fp32 summation order, which the CPU's BLAS already varies with the row count (a
+1-row and a 16-row fp32 matmul differ in the last bits here), so exact near-ties may still break either way, as
+before. What the old fp16-activation path broke (2 of 20 shipped drafts changed with the cache state) was 1e-3
+relative rounding that depended on the number of rows; no path here rounds by row count.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import shutil
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from .io_utils import read_json, write_json
+from .model import Linear
+from .weight_formats import Int8DynLinear, Int8Head, hold_linear, hold_table_rows, linears
+
+__all__ = ["PATHS", "APPROXIMATE", "candidate_paths", "time_paths", "choose_paths", "hold_measured", "machine_key",
+           "cache_file", "cpu_model", "decode_read_bytes", "CompiledGemvLinear", "compile_works"]
+
+PATHS = ("float32", "float16", "float16+compile", "bfloat16", "int8")
+APPROXIMATE = ("bfloat16", "int8")
+ROUNDS = 7
+MIN_GAIN = 0.03  # another path must beat float32 (the reference) by this fraction to be chosen over it
+_DTYPE = {"float32": torch.float32, "float16": torch.float16, "float16+compile": torch.float16,
+          "bfloat16": torch.bfloat16, "int8": "int8"}
+
+
+# ------------------------------------------------------------------------------------------ the compiled path
+
+def _gemv_fp16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [1,K] fp32, w [N,K] fp16 -> [1,N] fp32; compiled, the upcast fuses into the reduction."""
+    return (x[:, None, :] * w[None].float()).sum(-1)
+
+
+@functools.cache
+def _compiled_gemv():
+    cfg = torch._dynamo.config  # one graph per weight shape: room for more shapes than the default 8
+    cfg.recompile_limit = max(cfg.recompile_limit, 64)
+    return torch.compile(_gemv_fp16, dynamic=False, fullgraph=True)
+
+
+def compile_wanted() -> bool:
+    """The compiled path is a candidate: SPECDRAFT_COMPILE is not "0" and a C++ compiler is on PATH (a cheap check;
+    inductor is imported only when the path is timed or chosen)."""
+    return os.environ.get("SPECDRAFT_COMPILE", "1") != "0" and bool(shutil.which(os.environ.get("CXX", "g++")))
+
+
+@functools.cache
+def compile_works() -> bool:
+    """Whether inductor compiles and runs a tiny fused GEMV correctly here (once per process)."""
+    try:
+        x, w = torch.randn(1, 32), torch.randn(8, 32).half()
+        with torch.inference_mode():
+            return bool(torch.allclose(_compiled_gemv()(x, w), x @ w.float().t(), atol=1e-4))
+    except Exception as e:  # noqa: BLE001 - any compiler failure just drops the candidate
+        warnings.warn(f"torch.compile failed, the float16+compile path is dropped: {e}", stacklevel=2)
+        return False
+
+
+class CompiledGemvLinear(Linear):
+    """model.Linear with an fp16 weight whose one-row calls run the compiled fused loop; more rows upcast."""
+
+    small_m = 0
+
+    def forward(self, x):
+        if x.numel() != x.shape[-1]:
+            return super().forward(x)
+        y = _compiled_gemv()(x.reshape(1, -1).float(), self.weight).reshape(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+
+# ------------------------------------------------------------------------------------------ holding and timing
+
+def hold_path(parent: nn.Module, name: str, mod: nn.Linear, path: str) -> nn.Module:
+    """Hold the linear at parent.name in `path`; returns the module now there."""
+    if path == "float16+compile":
+        new = CompiledGemvLinear(mod.in_features, mod.out_features, bias=False, device="meta")
+        new.weight, new.bias = mod.weight, mod.bias  # the same Parameter: a tied embedding stays tied
+        setattr(parent, name, new)
+        mod = new
+    return hold_linear(parent, name, mod, _DTYPE[path])
+
+
+def candidate_paths(approximate: bool = False) -> list[str]:
+    return [p for p in PATHS if (approximate or p not in APPROXIMATE)
+            and (p != "float16+compile" or compile_wanted())]
+
+
+def _held_copy(weight: torch.Tensor, path: str) -> nn.Module:
+    holder = nn.Module()
+    holder.lin = Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    holder.lin.weight = nn.Parameter(weight, requires_grad=False)
+    return hold_path(holder, "lin", holder.lin, path)
+
+
+@torch.inference_mode()
+def time_paths(weights: list[torch.Tensor], paths: list[str], rounds: int = ROUNDS) -> dict[str, float]:
+    """Seconds per one-row call of each path over `weights` (fp32, one shape): the median of `rounds` passes over
+    all of them back to back (the bytes a decode step reads for this shape), paths interleaved round by round."""
+    casts = {}  # one copy per storage dtype, shared by the paths that hold it (float16, float16+compile)
+    mods = {}
+    paths = [p for p in paths if p != "float16+compile" or compile_works()]
+    for p in paths:
+        if p == "float32":
+            ws = weights
+        else:
+            ws = casts.setdefault(_DTYPE[p], [w.to(_DTYPE[p]) for w in weights]) if p != "int8" else weights
+        mods[p] = [_held_copy(w, p) for w in ws]
+    x = torch.randn(1, 1, weights[0].shape[1], generator=torch.Generator().manual_seed(0))
+    times = {p: [] for p in paths}
+    for r in range(rounds + 1):  # round 0 warms up (and compiles)
+        for p in paths[r % len(paths):] + paths[:r % len(paths)]:
+            t = time.perf_counter()
+            for m in mods[p]:
+                m(x)
+            if r:
+                times[p].append((time.perf_counter() - t) / len(weights))
+    return {p: statistics.median(ts) for p, ts in times.items()}
+
+
+def _fastest(us: dict[str, float]) -> str:
+    best = min(us, key=us.get)
+    if "float32" in us and us[best] > (1 - MIN_GAIN) * us["float32"]:
+        return "float32"  # within noise of the reference: keep the reference
+    return best
+
+
+# ------------------------------------------------------------------------------------------ the cache
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_key() -> str:
+    return (f"{cpu_model()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
+            f"{torch.get_num_threads()} threads")
+
+
+def cache_file() -> Path:
+    root = os.environ.get("SPECDRAFT_CACHE_DIR") or Path.home() / ".cache" / "specdraft"
+    return Path(root) / "kernels.json"
+
+
+def _read_cache(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    try:
+        doc = read_json(path)
+        if not (isinstance(doc, dict) and all(isinstance(v, dict) for v in doc.values())):
+            raise ValueError("not an object of objects")
+        return doc
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ignoring the unreadable kernel cache {path} ({e}); measuring again", stacklevel=3)
+        return {}
+
+
+def choose_paths(shapes: dict[tuple[int, int], list[torch.Tensor]], approximate: bool = False) -> dict[str, dict]:
+    """{"NxK": {"path": chosen, "us_per_call": {path: microseconds}}} for each shape's weights: from the cache
+    when this machine key has timed this shape with these candidates, else timed now and cached."""
+    paths = candidate_paths(approximate)
+    path = cache_file()
+    doc = _read_cache(path)
+    entry = doc.setdefault(machine_key(), {})
+    plan, changed = {}, False
+    for (n, k), ws in shapes.items():
+        key = f"{n}x{k} " + ",".join(paths)
+        hit = entry.get(key)
+        if not (isinstance(hit, dict) and hit.get("path") in paths):
+            us = {p: round(t * 1e6, 2) for p, t in time_paths(ws, paths).items()}
+            hit = entry[key] = dict(path=_fastest(us), us_per_call=us)
+            changed = True
+        plan[f"{n}x{k}"] = hit
+    if changed:
+        try:
+            write_json(path, doc)
+        except OSError as e:
+            warnings.warn(f"could not write the kernel cache {path}: {e}", stacklevel=3)
+    return plan
+
+
+def hold_measured(model, stored_rows: dict | None = None, approximate: bool = False) -> dict[str, dict]:
+    """Hold `model`'s weights by measurement (see the module doc); returns the plan (`choose_paths`) plus
+    "embedding": how the embedding (and a tied head) is held."""
+    rows = hold_table_rows(model, stored_rows)
+    groups: dict[tuple[int, int], list] = {}
+    for parent, name, mod in linears(model):
+        groups.setdefault(tuple(mod.weight.shape), []).append((parent, name, mod))
+    weights = {s: list({id(m.weight): m.weight.data for _, _, m in mods}.values()) for s, mods in groups.items()}
+    plan = choose_paths(weights, approximate)
+    for s, mods in groups.items():
+        key = f"{s[0]}x{s[1]}"
+        if plan[key]["path"] == "float16+compile" and not compile_works():
+            plan[key] = dict(plan[key], path="float16")  # the same numerics, without the fused loop
+        for parent, name, mod in mods:
+            hold_path(parent, name, mod, plan[key]["path"])
+    emb = model.model.embed_tokens
+    plan["embedding"] = dict(path="int8 rows (exact)" if rows else str(emb.weight.dtype).replace("torch.", ""))
+    return plan
+
+
+def decode_read_bytes(model: nn.Module) -> int:
+    """Weight bytes one decode step reads: every linear as held and the lm_head (an Int8Head's int8 table, scales
+    and row norms); an embedding lookup reads one row, not counted."""
+    seen, total = set(), 0
+    for mod in model.modules():
+        if isinstance(mod, Int8Head):
+            ts = [mod.q, mod.scale, mod.l1]
+        elif isinstance(mod, Int8DynLinear):
+            ts = [mod.q, mod.scale]
+        elif isinstance(mod, nn.Linear):
+            ts = [mod.weight]
+        else:
+            continue
+        for t in ts:
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total

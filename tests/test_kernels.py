@@ -1,0 +1,166 @@
+"""Kernels chosen by measurement (drafter_lib/kernels.py): the cached choice, its key, a corrupt cache, forced
+dtypes, and drafts under every chosen path (batch- and cache-state-invariant; equal to fp32 where fp32 is chosen)."""
+import json
+import math
+
+import pytest
+import torch
+from test_engine import V, _sharp_model, check_same_draft_whatever_cache_and_batch, make_engine, rand_tokens
+from test_model import tiny_hf
+
+from drafter_lib import kernels
+from drafter_lib.engine import DraftEngine
+
+
+@pytest.fixture()
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return tiny_hf("llama", vocab_size=V, num_hidden_layers=2, tie_word_embeddings=True)
+
+
+def count_timings(monkeypatch, prefer: str | None = None) -> list:
+    """Record each time_paths call; with `prefer`, that path is reported fastest instead of timing anything."""
+    calls, real = [], kernels.time_paths
+
+    def timed(weights, paths, *a, **kw):
+        calls.append((tuple(weights[0].shape), len(weights), tuple(paths)))
+        if prefer is None:
+            return real(weights, paths, *a, **kw)
+        return {p: 1e-6 if p == prefer else 1e-5 for p in paths}
+
+    monkeypatch.setattr(kernels, "time_paths", timed)
+    return calls
+
+
+def test_choice_is_measured_once_then_read_from_the_cache(hf, cache_dir, monkeypatch):
+    calls = count_timings(monkeypatch)
+    first = make_engine(hf, dtype="auto")
+    shapes = {tuple(m.weight.shape) for m in hf.modules() if isinstance(m, torch.nn.Linear)}
+    assert sorted(c[0] for c in calls) == sorted(shapes)  # each distinct shape once, all its weights together
+    gate_up = (hf.config.intermediate_size, hf.config.hidden_size)
+    assert dict((c[0], c[1]) for c in calls)[gate_up] == 2 * hf.config.num_hidden_layers  # of every layer
+    doc = json.loads((cache_dir / "kernels.json").read_text())
+    assert list(doc) == [kernels.machine_key()]
+    plan = first.info()["kernels"]
+    for entry in (v for k, v in plan.items() if k != "embedding"):
+        assert entry["path"] in ("float32", "float16") and set(entry["us_per_call"]) == {"float32", "float16"}
+        assert all(math.isfinite(us) and us > 0 for us in entry["us_per_call"].values())
+    calls.clear()
+    second = make_engine(hf, dtype="auto")
+    assert calls == [] and second.info()["kernels"] == plan  # nothing re-timed, the same choice
+    p = rand_tokens(20, 1)
+    assert first.draft(p, 8) == second.draft(p, 8)
+
+
+def test_cache_key_names_cpu_capability_torch_and_threads(hf, cache_dir, monkeypatch):
+    key = kernels.machine_key()
+    for part in (kernels.cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
+                 f"{torch.get_num_threads()} threads"):
+        assert part in key
+    calls = count_timings(monkeypatch, prefer="float32")
+    make_engine(hf, dtype="auto")
+    n = len(calls)
+    make_engine(hf, dtype="auto")
+    assert len(calls) == n  # the same machine: cached
+    monkeypatch.setattr(kernels, "cpu_model", lambda: "Another CPU")
+    make_engine(hf, dtype="auto")
+    assert len(calls) == 2 * n  # another CPU: timed again
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
+    make_engine(hf, dtype="auto")
+    assert len(calls) == 3 * n  # other thread count: timed again
+    assert len(json.loads((cache_dir / "kernels.json").read_text())) == 3
+
+
+def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(hf, cache_dir, monkeypatch):
+    calls = count_timings(monkeypatch, prefer="float16")
+    cache_dir.mkdir(parents=True)
+    for bad in ("{not json", '["a list"]', '{"key": 3}'):
+        (cache_dir / "kernels.json").write_text(bad)
+        with pytest.warns(UserWarning, match="unreadable kernel cache"):
+            eng = make_engine(hf, dtype="auto")
+        assert all(v["path"] == "float16" for k, v in eng.kernels.items() if k != "embedding")
+        assert kernels.machine_key() in json.loads((cache_dir / "kernels.json").read_text())
+    assert len(calls) == 3 * len({tuple(m.weight.shape) for m in hf.modules() if isinstance(m, torch.nn.Linear)})
+
+
+def test_forced_dtype_bypasses_measurement_and_cache(hf, cache_dir, monkeypatch):
+    calls = count_timings(monkeypatch)
+    for dtype in ("float32", "float16", "int8"):
+        assert make_engine(hf, dtype=dtype).info()["kernels"] is None
+    assert calls == [] and not (cache_dir / "kernels.json").exists()
+
+
+def test_approximate_paths_are_opt_in(hf, cache_dir, monkeypatch):
+    calls = count_timings(monkeypatch, prefer="int8")
+    make_engine(hf, dtype="auto")
+    assert calls and all(set(c[2]) == {"float32", "float16"} for c in calls)
+    eng = make_engine(hf, dtype="auto-approx")
+    assert {"bfloat16", "int8"} <= set(calls[-1][2])
+    assert all(v["path"] == "int8" for k, v in eng.kernels.items() if k != "embedding")
+
+
+@pytest.mark.parametrize("path", ["float32", "float16", "bfloat16", "int8", "float16+compile"])
+def test_drafts_under_each_chosen_path_ignore_batch_and_cache_state(path, cache_dir, monkeypatch):
+    if path == "float16+compile":
+        monkeypatch.setenv("SPECDRAFT_COMPILE", "1")
+        if not (kernels.compile_wanted() and kernels.compile_works()):
+            pytest.skip("inductor cannot compile here")
+    count_timings(monkeypatch, prefer=path)
+    m = _sharp_model(1.0)
+    mode = "auto-approx" if path in kernels.APPROXIMATE else "auto"
+    eng = make_engine(m, dtype=mode)
+    assert {v["path"] for k, v in eng.kernels.items() if k != "embedding"} == {path}
+    if path == "float16+compile":
+        assert any(isinstance(x, kernels.CompiledGemvLinear) for x in eng.model.modules())
+    check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype=mode))
+
+
+def test_float32_plan_drafts_exactly_as_float32(hf, cache_dir, monkeypatch, tmp_path):
+    from drafter_lib.model_dir import write_model_dir
+    from drafter_lib.quantization import QuantConfig
+
+    count_timings(monkeypatch, prefer="float32")
+    auto, ref = make_engine(hf, dtype="auto"), make_engine(hf, dtype="float32")
+    # a packed dir: the tied table/head as its exact int8 rows (exact argmax), linears fp32
+    write_model_dir(tmp_path / "m", hf.config.to_dict(), hf.state_dict(), QuantConfig.default_for(group_size=16))
+    pauto, pref = DraftEngine.from_dir(tmp_path / "m"), DraftEngine.from_dir(tmp_path / "m", dtype="float32")
+    assert pauto.kernels["embedding"]["path"] == "int8 rows (exact)"
+    for s, n in enumerate((3, 17, 40)):
+        p = rand_tokens(n, 60 + s)
+        assert auto.draft(p, 12) == ref.draft(p, 12)
+        assert pauto.draft(p, 12) == pref.draft(p, 12)
+    reqs = [rand_tokens(n, 70 + n) for n in (5, 12, 30)]
+    assert auto.draft_batch(reqs, 10) == ref.draft_batch(reqs, 10)
+
+
+def test_cached_compiled_choice_falls_back_where_it_no_longer_compiles(hf, cache_dir, monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_COMPILE", "1")
+    if not kernels.compile_wanted():
+        pytest.skip("no C++ compiler")
+    count_timings(monkeypatch, prefer="float16+compile")  # as if an earlier process had chosen it
+    monkeypatch.setattr(kernels, "compile_works", lambda: False)
+    eng = make_engine(hf, dtype="auto")
+    assert all(v["path"] == "float16" for k, v in eng.kernels.items() if k != "embedding")
+    assert not any(isinstance(m, kernels.CompiledGemvLinear) for m in eng.model.modules())
+
+
+def test_decode_read_bytes_counts_weights_as_held(hf, cache_dir, monkeypatch, tmp_path):
+    from drafter_lib.model_dir import write_model_dir
+    from drafter_lib.quantization import QuantConfig
+
+    count_timings(monkeypatch, prefer="float16")
+    e16, e32 = make_engine(hf, dtype="auto"), make_engine(hf, dtype="float32")
+    weights = {id(m.weight): m.weight for m in hf.modules() if isinstance(m, torch.nn.Linear)}.values()
+    lin = sum(w.numel() for w in weights)
+    assert kernels.decode_read_bytes(e32.model) == 4 * lin
+    assert kernels.decode_read_bytes(e16.model) == 2 * lin
+    # a pack: the tied head is read as int8 rows + an fp32 scale and row norm per row
+    write_model_dir(tmp_path / "m", hf.config.to_dict(), hf.state_dict(), QuantConfig.default_for(group_size=16))
+    packed = DraftEngine.from_dir(tmp_path / "m")
+    head = hf.lm_head.weight.numel()
+    assert kernels.decode_read_bytes(packed.model) == 2 * (lin - head) + head + 2 * 4 * V

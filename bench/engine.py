@@ -78,9 +78,8 @@ def bandwidth(nbytes: int, copy: bool = True, reps: int = 5) -> float:
 
 def build_hf_and_pack(args, out_dir: Path):
     """Returns (hf_model_with_restored_weights, model_dir)."""
-    import transformers
-
-    from drafter_lib.model_dir import read_model_dir, write_model_dir
+    from drafter_lib.export import export_hf
+    from drafter_lib.model_dir import write_model_dir
     from drafter_lib.quantization import QuantConfig
 
     if args.model_dir:
@@ -103,11 +102,8 @@ def build_hf_and_pack(args, out_dir: Path):
         write_model_dir(model_dir, cfg, hf.state_dict(), QuantConfig.default_for(group_size=args.group_size),
                         copy_policy={"enabled": False})
         del hf
-    packed = read_model_dir(model_dir)
-    hf_cfg = transformers.AutoConfig.for_model(**packed.config)
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
-    missing, unexpected = hf.load_state_dict(dict(packed.state_dict), strict=False)
-    assert not [m for m in missing if m != "lm_head.weight"], missing
+    # the same weights in transformers (a reduced draft vocabulary travels as a full head + suppressed tokens)
+    hf = export_hf(model_dir, out_dir / "hf").eval()
     hf.generation_config.eos_token_id = None
     return hf, model_dir
 

@@ -8,7 +8,9 @@ to the targets file. Tensors of a part:
     logprobs  float16 [N, K]  their log-probabilities (log-softmax over the full vocabulary)
     offsets   int64   [R+1]   row r owns entries offsets[r]:offsets[r+1]
     starts    int64   [R]     sequence position of row r's first entry
-and `__metadata__` {"format", "k", "row_ids" (JSON list of the R row ids, in order)}.
+and `__metadata__` {"specdraft_soft": JSON of {"format", "k", "row_ids" (JSON list of the R row ids, in order)}}:
+one key, because safetensors writes a header map in no fixed order and a part's bytes must not vary from run to
+run (its sha256 is recorded); parts written with the three keys at the top level read as well.
 
 Entry j of a row is the teacher's distribution at sequence position starts[r] + j of prompt_ids +
 continuation_ids, i.e. over the token at position starts[r] + j + 1. Without prompt positions a row starts at
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 FORMAT = "specdraft-soft-v1"
+META_KEY = "specdraft_soft"
 PART_GLOB = "part_*.safetensors"
 
 __all__ = ["FORMAT", "SoftRow", "topk_logprobs", "soft_dir_for", "list_parts", "write_part", "read_part",
@@ -80,7 +83,8 @@ def write_part(path: str | os.PathLike, rows: Sequence[SoftRow], k: int) -> Path
         "offsets": lengths.cumsum(0),
         "starts": torch.tensor([r.start for r in rows], dtype=torch.int64),
     }
-    meta = {"format": FORMAT, "k": str(k), "row_ids": json.dumps([str(r.id) for r in rows])}
+    inner = {"format": FORMAT, "k": str(k), "row_ids": json.dumps([str(r.id) for r in rows])}
+    meta = {META_KEY: json.dumps(inner, sort_keys=True)}  # one key: a byte-stable header
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -96,6 +100,8 @@ def _meta(path: Path) -> dict:
 
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
+    if META_KEY in meta:
+        meta = json.loads(meta[META_KEY])
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path}: not a soft-label part (format {meta.get('format')!r}, expected {FORMAT!r})")
     return meta

@@ -254,17 +254,17 @@ def verify_pack(cfg: C.StudyConfig, run: RunLayout, packed: dict) -> dict:
     return report
 
 
-def publish_pack(cfg: C.StudyConfig, run: RunLayout) -> Path | None:
-    """With pack.publish, copy the run's pack to pack.publish_dir (default: the repository's model/)."""
+def publish_pack(cfg: C.StudyConfig, run: RunLayout) -> None:
+    """With pack.publish, copy the run's pack to pack.publish_dir (default: the repository's model/) and say where
+    (repo-relative: nothing the notebook shows names this machine's paths)."""
     from . import pack
 
     if not cfg.pack.publish:
         print("pack.publish is false: nothing published")
-        return None
+        return
     dest = Path(cfg.pack.publish_dir) if cfg.pack.publish_dir else MODEL_DIR
     dest = pack.publish(run.model_dir, dest if dest.is_absolute() else REPO_ROOT / dest)
     print(f"published {repo_relative(run.model_dir)} -> {repo_relative(dest)}")
-    return dest
 
 
 # ---------------------------------------------------------------------------------------------- 05_eval

@@ -97,7 +97,9 @@ def run_study(preset: str = "default", name: str | None = None, runs_dir: str | 
             raise FileNotFoundError(f"notebook {src} is missing")
         if not rerun_rest and stage_done(run, stage, cfg):
             print(f"[study] {stage}: done before, skipped")
-            report[stage] = {"ran": False, "seconds": 0.0}
+            # what the stage took when it ran: the report of a resumed run still tells a run's full cost
+            report[stage] = {"ran": False, "seconds": 0.0,
+                             "seconds_when_run": read_json(run.stage_marker(stage)).get("seconds")}
             continue
         rerun_rest = True  # later stages depend on this one's outputs
         print(f"[study] {stage}: running")

@@ -1,6 +1,7 @@
 """Soft labels: the teacher stage's top-K parts (equal to the teacher's full logits, resumable, mergeable,
 verified) and the top-K losses (zero at the teacher, gradients)."""
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -195,3 +196,21 @@ def test_topk_loss_gradcheck(kind):
         want = q - q * (p_tail / q_tail)                       # tail ids: q_i - p_tail * q_i / q_tail
         want.scatter_(1, ids, q.gather(1, ids) - lp.exp())     # top-K ids: q_k - p_k
         torch.testing.assert_close(y.grad, want)
+
+
+def test_a_part_is_byte_identical_across_processes(tmp_path):
+    """safetensors writes its header map in no fixed order: a part's bytes (whose sha256 the teacher meta records)
+    must not depend on the process that wrote it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from drafter_lib.soft_labels import SoftRow, write_part, read_part; "
+            "rows = [SoftRow(f'r{i}', i, torch.arange(8, dtype=torch.int32).view(2, 4) + i, "
+            "torch.full((2, 4), -1.5 - i, dtype=torch.float16)) for i in range(3)]; "
+            "write_part(sys.argv[1], rows, 4); assert [r.id for r in read_part(sys.argv[1])] == ['r0', 'r1', 'r2']")
+    outs = []
+    for n in range(4):
+        out = tmp_path / f"p{n}.safetensors"
+        subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=Path(__file__).resolve().parents[1])
+        outs.append(out.read_bytes())
+    assert all(o == outs[0] for o in outs[1:])

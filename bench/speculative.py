@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from drafter_lib.client import SpeculativeClient  # noqa: E402
 from drafter_lib.config import DataConfig  # noqa: E402
 from drafter_lib.engine import DraftEngine  # noqa: E402
 from drafter_lib.evaluate import encode_records, load_eval_prompts, spread_over_categories  # noqa: E402
+from drafter_lib.kernels import cpu_model  # noqa: E402
 from drafter_lib.layout import SHARED_DATA_DEFAULT, RunLayout  # noqa: E402
 from drafter_lib.model import Transformer  # noqa: E402
 from drafter_lib.speculative import HFTarget, NativeTarget, speculative_generate  # noqa: E402
@@ -50,16 +50,6 @@ def heldout_prompts(path: str | None, n: int) -> list[dict]:
         recs, _ = data.load_source(src)
         records += data.split_heldout(recs, DataConfig().heldout_frac)[1]  # the default study's held-out side
     return spread_over_categories(records, n)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def start_server(model_dir: str):
@@ -132,7 +122,7 @@ def main(argv=None) -> list[dict]:
     stop = teacher.stop_token_ids(tok)
     prompts = encode_records(tok, records)
     cats = sorted({str(r.get("category")) for r in records})
-    print(f"cpu: {cpu_name()}  capability: {torch.backends.cpu.get_cpu_capability()}  "
+    print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  "
           f"torch {torch.__version__}  threads {torch.get_num_threads()}")
     print(f"{len(prompts)} prompts over {len(cats)} categories ({', '.join(cats)}), max {args.max_new_tokens} new "
           f"tokens, drafter {args.model_dir}")

@@ -7,6 +7,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from .plots import save_figure
+
 
 def _label(r: dict, multi_steps: bool) -> str:
     name = r.get("label", r["variant"])
@@ -67,12 +69,7 @@ def plot_layer_study(results: Sequence[dict], path: str | Path,
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def results_table(results: Sequence[dict]) -> str:
@@ -158,12 +155,7 @@ def plot_frontier(results: Sequence[dict], path: str | Path, title: str = "draft
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=120)
 
 
 def _table(head: list[str], rows: list[list[str]], left: int = 1) -> str:

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _save(fig, path, dpi: int = 110) -> Path:
+def save_figure(fig, path, dpi: int = 110) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -37,7 +37,7 @@ def acceptance_histogram(results: Mapping[str, dict], path, title: str = "Accept
     ax.set_xticks(range(k + 1))
     ax.set_title(title)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def position_acceptance(results: Mapping[str, dict], path, title: str = "Acceptance rate per draft position"):
@@ -52,7 +52,7 @@ def position_acceptance(results: Mapping[str, dict], path, title: str = "Accepta
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def per_category(results: Mapping[str, dict], path, title: str = "Mean acceptance length per category"):
@@ -73,7 +73,7 @@ def per_category(results: Mapping[str, dict], path, title: str = "Mean acceptanc
     ax.set_ylabel("tokens per target step")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def category_heatmap(results: Mapping[str, dict], path, counts: Mapping[str, int] | None = None,
@@ -103,7 +103,7 @@ def category_heatmap(results: Mapping[str, dict], path, counts: Mapping[str, int
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label="tokens per target step")
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def length_histogram(lengths: Mapping[str, Sequence[int]] | Sequence[int], path, xlabel: str = "tokens",
@@ -125,7 +125,7 @@ def length_histogram(lengths: Mapping[str, Sequence[int]] | Sequence[int], path,
     ax.set_ylabel("count")
     ax.set_title(title)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def bar_counts(counts: Mapping[str, int], path, title: str = "Prompts", xlabel: str = ""):
@@ -136,7 +136,7 @@ def bar_counts(counts: Mapping[str, int], path, title: str = "Prompts", xlabel: 
     ax.set_title(title)
     ax.set_xlabel(xlabel or "count")
     ax.tick_params(axis="y", labelsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_losses(history: Sequence[Mapping], path, title: str = "drafter training") -> Path:
@@ -157,4 +157,4 @@ def plot_losses(history: Sequence[Mapping], path, title: str = "drafter training
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    return _save(fig, path, dpi=120)
+    return save_figure(fig, path, dpi=120)

@@ -7,6 +7,7 @@ import torch
 
 from drafter_lib import speedup as S
 from drafter_lib.acceptance import simulate
+from drafter_lib.engine import DEFAULT_DTYPE
 from drafter_lib.layer_costs import CostSettings
 from drafter_lib.speculative import FnDrafter
 from drafter_lib.weight_formats import Int8Head
@@ -86,7 +87,7 @@ def test_drafter_shape_and_engine_of_shape(tiny_random):
     assert sd["lm_head.weight"].shape == (50, 32) and sd["draft_vocab_ids"].tolist() == list(range(50))
     assert params == sum(v.numel() for k, v in sd.items() if k != "draft_vocab_ids")
     engine = S.engine_of_shape(cfg, sd)
-    assert engine.dtype == "float16" and isinstance(engine.model.lm_head, Int8Head)
+    assert engine.dtype == DEFAULT_DTYPE and isinstance(engine.model.lm_head, Int8Head)
     assert engine.model.lm_head.q.shape[0] == 50
     draft = engine.draft(list(range(20)), 6)
     assert len(draft) == 6 and all(0 <= t < 50 for t in draft)  # full-vocabulary ids of the reduced head

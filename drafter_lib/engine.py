@@ -56,8 +56,8 @@ __all__ = ["DraftEngine", "Draft", "DTYPES", "DEFAULT_DTYPE", "DEFAULT_MAX_CACHE
 DTYPES = {"auto": "auto", "auto-approx": "auto-approx", "float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int8": "int8"}
 DEFAULT_DTYPE = "auto"  # how weights are held unless told otherwise (the server's ENGINE_DTYPE default)
-DEFAULT_MAX_CACHE_BYTES = 256 << 20  # a small machine: ~21k cached tokens of the shipped 8-layer drafter
-DEFAULT_MAX_BATCH_TOKENS = 4096  # in-flight KV slots per decode group (48 MiB for the shipped drafter)
+DEFAULT_MAX_CACHE_BYTES = 256 << 20  # a small machine: ~43k cached tokens of the shipped 4-layer drafter
+DEFAULT_MAX_BATCH_TOKENS = 4096  # in-flight KV slots per decode group (24 MiB for the shipped drafter)
 MIN_CONFIDENCE_KEY = "draft_min_confidence"  # the model dir's default threshold, in its config.json
 _CHUNK = 2048  # prefill chunk: a cold prompt up to this length runs as one causal pass (no mask, half the work)
 

@@ -2,7 +2,8 @@
 
     python bench/speculative.py [--model-dir model] [--prompts FILE] [--n 12] [--max-new-tokens 256]
                                 [--k 1 2 4 8 16] [--min-confidence 0.3 ...] [--targets hf native]
-                                [--drafters engine http] [--no-assisted] [--json OUT]
+                                [--drafters engine http] [--engine-dtypes auto auto-approx] [--no-assisted]
+                                [--json OUT]
 
 Targets: the default teacher (SmolLM2-135M-Instruct) as a transformers fp32 model and as the hand-written decoder.
 Drafters: the packed drafter in process (`DraftEngine`), and over HTTP through `serve.sh` on 127.0.0.1. Every row
@@ -22,7 +23,20 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: idle OpenMP threads must not spin
+
+def _drafters_requested(argv: list[str]) -> list[str]:
+    """The --drafters values of argv (parsed before torch loads; the default includes http)."""
+    if "--drafters" not in argv:
+        return ["engine", "http"]
+    rest = argv[argv.index("--drafters") + 1:]
+    return rest[:next((i for i, a in enumerate(rest) if a.startswith("-")), len(rest))]
+
+
+# Before torch: with an HTTP drafter, the server is a second process on the same cores, so idle OpenMP threads must
+# sleep (PASSIVE), not spin against it. In-process drafting keeps OpenMP's default (threads spin briefly between
+# ops): here both the target and the drafter run ~1.6x faster than with PASSIVE (whose wake-ups cost every op).
+if "http" in _drafters_requested(sys.argv[1:]):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
@@ -102,6 +116,11 @@ def assisted_rows(hf, assistant, prompts, max_new, stop) -> tuple[dict, dict]:
     return gen(), gen(assistant_model=assistant)
 
 
+def print_row(r: dict) -> None:
+    print(f"{r['target']:18} {r['drafter']:28} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {r.get('mal', 1.0):5.2f} "
+          f"{r.get('draft_s', 0):8.1f} {r.get('verify_s', r['seconds']):8.1f} {str(r['lossless']):>8}", flush=True)
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default=str(ROOT / "model"))
@@ -113,6 +132,8 @@ def main(argv=None) -> list[dict]:
                     help="dynamic draft length thresholds (k=16 cap)")
     ap.add_argument("--targets", nargs="+", default=["hf", "native"], choices=["hf", "native"])
     ap.add_argument("--drafters", nargs="+", default=["engine", "http"], choices=["engine", "http"])
+    ap.add_argument("--engine-dtypes", nargs="+", default=[None], metavar="DTYPE",
+                    help="in-process engine weight modes compared side by side (default: the model dir's own)")
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
     ap.add_argument("--json", default=None, help="also write the rows here")
     args = ap.parse_args(argv)
@@ -123,15 +144,19 @@ def main(argv=None) -> list[dict]:
     prompts = encode_records(tok, records)
     cats = sorted({str(r.get("category")) for r in records})
     print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  "
-          f"torch {torch.__version__}  threads {torch.get_num_threads()}")
+          f"torch {torch.__version__}  threads {torch.get_num_threads()}  "
+          f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', '(default)')}")
     print(f"{len(prompts)} prompts over {len(cats)} categories ({', '.join(cats)}), max {args.max_new_tokens} new "
           f"tokens, drafter {args.model_dir}")
 
-    engine = DraftEngine.from_dir(args.model_dir)
     drafters = {}
-    if "engine" in args.drafters:
-        drafters.update({f"engine k={k}": (engine, k) for k in args.k})
-        drafters.update({f"engine dyn>={c}": (ConfidenceDrafter(engine, c), 16) for c in args.min_confidence})
+    for dtype in args.engine_dtypes if "engine" in args.drafters else []:
+        engine = DraftEngine.from_dir(args.model_dir, dtype=dtype)
+        plan = ", ".join(f"{s}: {v['path']}" for s, v in (engine.kernels or {}).items())
+        print(f"engine weights: {engine.dtype}" + (f" ({plan})" if plan else ""))
+        name = "engine" if len(args.engine_dtypes) == 1 else f"engine {engine.dtype}"
+        drafters.update({f"{name} k={k}": (engine, k) for k in args.k})
+        drafters.update({f"{name} dyn>={c}": (ConfidenceDrafter(engine, c), 16) for c in args.min_confidence})
     proc = client = None
     if "http" in args.drafters:
         proc, client = start_server(args.model_dir)
@@ -146,22 +171,20 @@ def main(argv=None) -> list[dict]:
         targets["hand-written fp32"] = NativeTarget(Transformer.from_hf(hf.config.to_dict(), sd).float().eval())
 
     rows = []
-    header = (f"{'target':18} {'drafter':16} {'tok/s':>7} {'speedup':>7} {'MAL':>5} {'draft s':>8} {'verify s':>8} "
+    header = (f"{'target':18} {'drafter':28} {'tok/s':>7} {'speedup':>7} {'MAL':>5} {'draft s':>8} {'verify s':>8} "
               f"{'lossless':>8}")
     print(header)
     try:
         for tname, target in targets.items():
             plain = run_rows(target, prompts, args.max_new_tokens, stop, None, 0)
-            rows.append({"target": tname, "drafter": "plain greedy", **plain, "speedup": 1.0, "lossless": True})
+            mine = [{"target": tname, "drafter": "plain greedy", **plain, "speedup": 1.0, "lossless": True}]
+            print_row(mine[0])
             for dname, (drafter, k) in drafters.items():
                 r = run_rows(target, prompts, args.max_new_tokens, stop, drafter, k)
-                rows.append({"target": tname, "drafter": dname, **r, "speedup": r["tok_s"] / plain["tok_s"],
+                mine.append({"target": tname, "drafter": dname, **r, "speedup": r["tok_s"] / plain["tok_s"],
                              "lossless": r["outputs"] == plain["outputs"]})
-            mine = rows[-len(drafters) - 1:]
-            for r in mine:
-                print(f"{r['target']:18} {r['drafter']:16} {r['tok_s']:7.1f} {r['speedup']:6.2f}x "
-                      f"{r.get('mal', 1.0):5.2f} {r.get('draft_s', 0):8.1f} {r.get('verify_s', r['seconds']):8.1f} "
-                      f"{str(r['lossless']):>8}", flush=True)
+                print_row(mine[-1])
+            rows += mine
             # the pack's default draft length: the fastest lossless setting on this target (pack.min_confidence)
             best = max((r for r in mine[1:] if r["lossless"]), key=lambda r: r["speedup"], default=None)
             dyn = max((r for r in mine[1:] if r["lossless"] and "dyn" in r["drafter"]), key=lambda r: r["speedup"],
@@ -180,7 +203,7 @@ def main(argv=None) -> list[dict]:
             rows += [{"target": "transformers generate", "drafter": "plain greedy", **plain, "speedup": 1.0,
                       "lossless": True}, r]
             for r in rows[-2:]:
-                print(f"{r['target']:18} {r['drafter']:16} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {'':5} {'':8} "
+                print(f"{r['target']:18} {r['drafter']:28} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {'':5} {'':8} "
                       f"{r['seconds']:8.1f} {str(r['lossless']):>8}", flush=True)
     finally:
         if proc is not None:

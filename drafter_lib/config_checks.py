@@ -166,6 +166,10 @@ def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = Tr
     _need(p.checkpoint in CHECKPOINTS, "pack.checkpoint", f"expected one of {CHECKPOINTS}, got {p.checkpoint!r}")
     _need(p.min_confidence is None or 0 <= p.min_confidence <= 1, "pack.min_confidence",
           f"must be null or in [0, 1], got {p.min_confidence!r}")
+    from .engine import DTYPES
+
+    _need(p.engine_dtype is None or p.engine_dtype in DTYPES, "pack.engine_dtype",
+          f"must be null or one of {list(DTYPES)}, got {p.engine_dtype!r}")
     _at_least(e.limit, 1, "eval.limit", optional=True)
     _at_least(e.max_new_tokens, 1, "eval.max_new_tokens")
     _at_least(e.k, 1, "eval.k")

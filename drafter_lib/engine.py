@@ -12,6 +12,8 @@
   fp32 activations; "int8": int8 linears with per-token int8 activations (approximate, opt-in); "float32":
   everything fp32 (bit-comparable with transformers). Every mode but "float32" holds the embedding/lm_head as the
   pack's int8 rows (read as stored) when that is exact, with an exact greedy argmax at int8 GEMV speed (`Int8Head`).
+  A model dir may name its mode (config.json `draft_engine_dtype`, the shipped one "auto-approx"): `from_dir`
+  uses it unless given a dtype.
 - The same request gets the same draft whatever the cache state and whatever else shares its batch: every token
   runs the same math whether it is part of a long prefill, a one-token tail after a cached prefix or a row of a
   batched decode step (no path is chosen by the number of rows; see hold_weights and kernels.py), up to fp32
@@ -48,10 +50,10 @@ from .kernels import hold_measured
 from .model import KVCache, ModelConfig, Transformer
 from .prefix_cache import PrefixCache
 from .speculative import accepted_length
-from .weight_formats import Int8Head, _int_mm, hold_weights, read_int8_rows, weight_bytes
+from .weight_formats import Int8Head, hold_weights, read_int8_rows, weight_bytes
 
 __all__ = ["DraftEngine", "Draft", "DTYPES", "DEFAULT_DTYPE", "DEFAULT_MAX_CACHE_BYTES", "DEFAULT_MAX_BATCH_TOKENS",
-           "MIN_CONFIDENCE_KEY"]
+           "MIN_CONFIDENCE_KEY", "ENGINE_DTYPE_KEY", "check_engine_dtype"]
 
 DTYPES = {"auto": "auto", "auto-approx": "auto-approx", "float32": torch.float32, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int8": "int8"}
@@ -59,6 +61,7 @@ DEFAULT_DTYPE = "auto"  # how weights are held unless told otherwise (the server
 DEFAULT_MAX_CACHE_BYTES = 256 << 20  # a small machine: ~43k cached tokens of the shipped 4-layer drafter
 DEFAULT_MAX_BATCH_TOKENS = 4096  # in-flight KV slots per decode group (24 MiB for the shipped drafter)
 MIN_CONFIDENCE_KEY = "draft_min_confidence"  # the model dir's default threshold, in its config.json
+ENGINE_DTYPE_KEY = "draft_engine_dtype"  # the model dir's default weight mode, in its config.json
 _CHUNK = 2048  # prefill chunk: a cold prompt up to this length runs as one causal pass (no mask, half the work)
 
 
@@ -103,6 +106,13 @@ class _Row:
         return len(toks)
 
 
+def check_engine_dtype(value, what: str = "dtype") -> str:
+    """One of DTYPES' names."""
+    if not isinstance(value, str) or value not in DTYPES:
+        raise ValueError(f"{what} must be one of {list(DTYPES)}, got {value!r}")
+    return value
+
+
 def check_min_confidence(value, what: str = "min_confidence") -> float | None:
     """None, or a number in [0, 1] as a float (0 = off)."""
     if value is None:
@@ -122,9 +132,7 @@ class DraftEngine:
         `min_confidence`: the default threshold of requests that do not set their own (None or 0: off)."""
         if not isinstance(model, Transformer):
             raise TypeError(f"DraftEngine needs a model.Transformer (or use from_dir), got {type(model).__name__}")
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} unknown; expected one of {list(DTYPES)}")
-        self.dtype = dtype
+        self.dtype = check_engine_dtype(dtype)
         self.kernels = None  # dtype "auto": the measured path per weight shape (kernels.hold_measured)
         if dtype.startswith("auto"):
             self.kernels = hold_measured(model.eval(), stored_rows, approximate=dtype == "auto-approx")
@@ -148,11 +156,12 @@ class DraftEngine:
         self._cache = PrefixCache(self.model.new_cache, self.max_cache_bytes, self.max_cache_tokens, self.stats)
 
     @classmethod
-    def from_dir(cls, path, dtype: str = DEFAULT_DTYPE, copy_policy: dict | CopyPolicy | None = None,
+    def from_dir(cls, path, dtype: str | None = None, copy_policy: dict | CopyPolicy | None = None,
                  verify: bool = True, min_confidence: float | None = None, **kw) -> DraftEngine:
         """Load a packed model dir (sha256-checked when verify); copy_policy None = the dir's copy_policy.json,
-        min_confidence None = the dir's config.json `draft_min_confidence` (absent/null: off)."""
-        model, meta, dir_policy, rows = _load_dir(path, dtype, verify)
+        min_confidence None = the dir's config.json `draft_min_confidence` (absent/null: off), dtype None = the
+        dir's config.json `draft_engine_dtype` (absent/null: DEFAULT_DTYPE)."""
+        model, meta, dir_policy, rows, dtype = _load_dir(path, dtype, verify)
         if min_confidence is None:
             min_confidence = meta["hf_config"].get(MIN_CONFIDENCE_KEY)
         return cls(model, meta, dtype=dtype, copy_policy=dir_policy if copy_policy is None else copy_policy,
@@ -329,8 +338,14 @@ class DraftEngine:
         need = [need] * h.shape[0] if isinstance(need, bool) else need
         sel = [i for i, w in enumerate(need) if w]
         if isinstance(head, Int8Head):
-            idx = head.argmax(h)  # the exact argmax; full logits only when asked
-            logits = int8_head_logits(head, h[sel]) if sel else None
+            # the exact argmax, its candidates pruned by the int8 logits that also give a probability when asked
+            idx, rows = torch.empty(h.shape[0], dtype=torch.long), []
+            for i, xm in enumerate(h.float()):
+                approx, bound = head.approx_logits(xm)
+                idx[i] = head.exact_argmax(xm, approx, bound)
+                if need[i]:
+                    rows.append(approx.float())
+            logits = torch.stack(rows) if sel else None
         else:
             logits = head(h)
             idx = logits.argmax(-1)
@@ -347,21 +362,10 @@ class DraftEngine:
 
 def int8_head_logits(head: Int8Head, x: torch.Tensor) -> torch.Tensor:
     """fp32 logits [M, V] of an Int8Head's rows for x [M, H], without dequantizing the table: x is split into three
-    int8 parts (x = s1 q1 + s2 q2 + s3 q3 + r, |r| <= s3 / 2 ~ max|x| / 127^3 / 2), each an exact int8 x int8
-    GEMV, summed in float64, times the row scales. Closer to the float64 logits than the dequantizing forward
-    (shipped head: 6e-6 vs 8e-6 max error) at a fifth of its cost (5 ms vs 27 ms per row, 1 thread)."""
-    scale = head.scale[:, 0].double()
-    out = []
-    for xm in x.float():
-        r, acc = xm.double(), None
-        for _ in range(3):
-            s = float(r.abs().amax()) / 127 or 1.0
-            xq = torch.round(r / s)
-            part = _int_mm(xq.to(torch.int8)[None], head.q, head._int_mm)[0].double() * s
-            acc = part if acc is None else acc + part
-            r = r - xq * s
-        out.append((acc * scale).float())
-    return torch.stack(out)
+    int8 parts (`Int8Head.approx_logits`: max error ~ max|x| / 127^3 / 2 per element), exact int8 GEMVs summed in
+    float64, times the row scales. Closer to the float64 logits than the dequantizing forward (shipped head: 6e-6
+    vs 8e-6 max error) at a fifth of its cost (5 ms vs 27 ms per row, 1 thread)."""
+    return torch.stack([head.approx_logits(xm)[0].float() for xm in x.float()])
 
 
 def _scatter(batch: KVCache, b: int, r: _Row, s: int):
@@ -386,13 +390,17 @@ def _per_request(value, n: int, what: str, check) -> list:
     return [check(value, what)] * n
 
 
-def _load_dir(path, dtype: str, verify: bool):
-    """(fp32 model, meta, copy policy dict, int8 rows as stored) of a packed model dir."""
+def _load_dir(path, dtype: str | None, verify: bool):
+    """(fp32 model, meta, copy policy dict, int8 rows as stored, dtype) of a packed model dir; dtype None: the
+    dir's own default."""
     from .model_dir import read_model_dir
 
     packed = read_model_dir(path, verify=verify)
+    if dtype is None:
+        dtype = check_engine_dtype(packed.config.get(ENGINE_DTYPE_KEY) or DEFAULT_DTYPE,
+                                   f"{path}: config.json {ENGINE_DTYPE_KEY}")
     meta = dict(hf_config=packed.config, quantization=packed.quantization, manifest=packed.manifest,
                 manifest_sha256=packed.manifest_sha256, path=str(Path(path).resolve()))
     rows = read_int8_rows(path, packed.quantization) if dtype != "float32" else {}
     model = Transformer.from_hf(packed.config, packed.state_dict)
-    return model, meta, packed.copy_policy, rows
+    return model, meta, packed.copy_policy, rows, dtype

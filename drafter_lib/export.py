@@ -17,7 +17,8 @@ from .layout import REPO_ROOT
 from .model_dir import read_model_dir
 
 # keys the study adds to config.json that transformers does not know; they stay in the pack only
-_STUDY_KEYS = ("pruned_from", "_name_or_path", "_model_name_or_path", DV.CONFIG_KEY, "draft_min_confidence")
+_STUDY_KEYS = ("pruned_from", "_name_or_path", "_model_name_or_path", DV.CONFIG_KEY, "draft_min_confidence",
+               "draft_engine_dtype")
 
 
 def _full_head(state: dict, vocab: int) -> tuple[dict, list[int]]:

@@ -69,6 +69,8 @@ def check_token_ids(tokens: Sequence[int], vocab_size: int, what: str = "tokens"
     (bools and non-integral floats included), or an id outside [0, vocab_size)."""
     if len(tokens) == 0:
         raise ValueError(f"{what} is empty")
+    if set(map(type, tokens)) == {int} and min(tokens) >= 0 and max(tokens) < vocab_size:
+        return list(tokens)  # the common case at C speed (a speculative loop checks its whole context every step)
     out = []
     for i, t in enumerate(tokens):
         if isinstance(t, bool) or not isinstance(t, int):

@@ -35,9 +35,10 @@ def _config_dict(hf_config, model=None) -> dict:
 
 
 def pack_checkpoint(hf_model_or_state_dict, hf_config, out_dir, qconfig, copy_policy=None,
-                    extra_manifest=None, min_confidence: float | None = None) -> Path:
+                    extra_manifest=None, min_confidence: float | None = None, engine_dtype: str | None = None) -> Path:
     """Pack an HF model (fake-quant applied or not) or a state dict into a model dir; returns out_dir.
-    `min_confidence`: the engine's default draft threshold, kept as config.json `draft_min_confidence`."""
+    `min_confidence`: the engine's default draft threshold, kept as config.json `draft_min_confidence`;
+    `engine_dtype`: how the engine holds the weights unless told otherwise (config.json `draft_engine_dtype`)."""
     model = hf_model_or_state_dict if isinstance(hf_model_or_state_dict, nn.Module) else None
     if model is not None:
         state_dict = Q.unparametrized_state_dict(model)
@@ -50,6 +51,10 @@ def pack_checkpoint(hf_model_or_state_dict, hf_config, out_dir, qconfig, copy_po
         if isinstance(min_confidence, bool) or not 0 <= min_confidence <= 1:
             raise ValueError(f"min_confidence must be a number in [0, 1], got {min_confidence!r}")
         config["draft_min_confidence"] = float(min_confidence)
+    if engine_dtype is not None:
+        from .engine import ENGINE_DTYPE_KEY, check_engine_dtype
+
+        config[ENGINE_DTYPE_KEY] = check_engine_dtype(engine_dtype, "engine_dtype")
     return write_model_dir(out_dir, config, state_dict, qconfig, copy_policy, extra_manifest)
 
 

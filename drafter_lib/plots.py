@@ -152,9 +152,27 @@ def plot_losses(history: Sequence[Mapping], path, title: str = "drafter training
     if qat:
         start = min(s for s in qat) - 1
         ax.axvspan(start, max(s for s, _ in tr + va), color="orange", alpha=0.15, label="QAT")
+    return _finish_steps(fig, ax, path, title, "CE on continuation tokens (nats)")
+
+
+def _finish_steps(fig, ax, path, title: str, ylabel: str) -> Path:
+    """Labels, grid, legend and save of a loss-vs-step figure."""
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("CE on continuation tokens (nats)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     return save_figure(fig, path, dpi=120)
+
+
+def val_curves(histories: Mapping[str, Sequence[Mapping]], path, title: str = "validation loss") -> Path:
+    """Validation loss vs optimizer step of several trainings (label -> training history), distillation phase only
+    and without step 0 (the untrained model's loss would flatten the rest): how a setting (learning rate, data,
+    shape) changes the curve, side by side."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, history in histories.items():
+        va = [(h["step"], h["loss"]) for h in history if h.get("kind") == "val" and h.get("phase") != "qat"
+              and h["step"] > 0]
+        if va:
+            ax.plot(*zip(*va), "o-", label=label, ms=3)
+    return _finish_steps(fig, ax, path, title, "validation CE on continuation tokens (nats)")

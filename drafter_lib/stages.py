@@ -229,7 +229,7 @@ def pack_run(cfg: C.StudyConfig, run: RunLayout) -> dict:
     out = pack.pack_checkpoint(model, model.config, run.model_dir, qconfig,
                                copy_policy=to_jsonable(cfg.pack.copy_policy),
                                extra_manifest={"run": run.name, "checkpoint": cfg.pack.checkpoint},
-                               min_confidence=cfg.pack.min_confidence)
+                               min_confidence=cfg.pack.min_confidence, engine_dtype=cfg.pack.engine_dtype)
     packed = read_model_dir(out)  # verifies the sha256 of every file
     return {"model_dir": Path(out), "checkpoint": ckpt, "qconfig": qconfig,
             "sizes": {p.name: p.stat().st_size for p in sorted(Path(out).iterdir())},

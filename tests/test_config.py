@@ -120,6 +120,7 @@ def test_wrong_types_name_the_key(overrides, key):
     ({"pack.copy_policy.min_ngram": 5}, "pack.copy_policy"),
     ({"pack.checkpoint": "last"}, "pack.checkpoint"),
     ({"pack.min_confidence": 1.5}, "pack.min_confidence"),
+    ({"pack.engine_dtype": "int4"}, "pack.engine_dtype"),
     # against the model's real sizes (the smoke teacher: 4 layers, hidden 64, MLP 128)
     ({"study.keep_layers": "even:5"}, "study.keep_layers: .*K must be in 1..4"),
     ({"study.keep_layers": [0, 4]}, "study.keep_layers: .*out of range"),

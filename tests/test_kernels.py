@@ -164,3 +164,34 @@ def test_decode_read_bytes_counts_weights_as_held(hf, cache_dir, monkeypatch, tm
     packed = DraftEngine.from_dir(tmp_path / "m")
     head = hf.lm_head.weight.numel()
     assert kernels.decode_read_bytes(packed.model) == 2 * (lin - head) + head + 2 * 4 * V
+
+
+def test_model_dir_carries_its_engine_dtype(hf, cache_dir, monkeypatch, tmp_path):
+    from drafter_lib.engine import ENGINE_DTYPE_KEY
+    from drafter_lib.export import export_hf
+    from drafter_lib.pack import pack_checkpoint
+    from drafter_lib.quantization import QuantConfig
+
+    calls = count_timings(monkeypatch, prefer="int8")
+    qc = QuantConfig.default_for(group_size=16)
+    plain = pack_checkpoint(hf, hf.config, tmp_path / "plain", qc)
+    assert ENGINE_DTYPE_KEY not in json.loads((plain / "config.json").read_text())
+    assert DraftEngine.from_dir(plain).dtype == "auto"  # no key: the engine's default
+    d = pack_checkpoint(hf, hf.config, tmp_path / "approx", qc, engine_dtype="auto-approx")
+    assert json.loads((d / "config.json").read_text())[ENGINE_DTYPE_KEY] == "auto-approx"
+    eng = DraftEngine.from_dir(d)
+    assert eng.dtype == "auto-approx" and eng.info()["dtype"] == "auto-approx"
+    assert {v["path"] for k, v in eng.kernels.items() if k != "embedding"} == {"int8"}
+    assert {"int8", "bfloat16"} <= set(calls[-1][2])  # the approximate paths competed
+    forced = DraftEngine.from_dir(d, dtype="float32")  # a caller's dtype wins
+    assert forced.dtype == "float32" and forced.kernels is None
+    p = rand_tokens(20, 3)
+    assert eng.draft(p, 8) == DraftEngine.from_dir(d, dtype="int8").draft(p, 8)  # the same int8 linears
+    assert ENGINE_DTYPE_KEY not in json.loads((export_hf(d, tmp_path / "hf") and tmp_path / "hf" / "config.json")
+                                              .read_text())
+    with pytest.raises(ValueError, match="engine_dtype"):
+        pack_checkpoint(hf, hf.config, tmp_path / "bad", qc, engine_dtype="int4")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, ENGINE_DTYPE_KEY: "fp8"}))
+    with pytest.raises(ValueError, match=ENGINE_DTYPE_KEY):
+        DraftEngine.from_dir(d, verify=False)

@@ -100,3 +100,22 @@ def test_plots_write_png(packed, tmp_path):
     for p in (p1, p2):
         data = p.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_val_curves_plot_one_line_per_run(tmp_path, monkeypatch):
+    from drafter_lib import plots
+
+    drawn = []
+    real = plots.save_figure
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path, **kw: (drawn.append(fig), real(fig, path, **kw))[1])
+    hist = {"lr a": [{"step": 0, "kind": "val", "phase": "distill", "loss": 9.0},
+                     {"step": 5, "kind": "train", "phase": "distill", "loss": 4.0},
+                     {"step": 10, "kind": "val", "phase": "distill", "loss": 3.0},
+                     {"step": 12, "kind": "val", "phase": "qat", "loss": 3.2}],
+            "lr b": [{"step": 0, "kind": "val", "phase": "distill", "loss": 9.0},
+                     {"step": 10, "kind": "val", "phase": "distill", "loss": 2.5}]}
+    p = plots.val_curves(hist, tmp_path / "curves.png")
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = drawn[0].axes[0].get_lines()
+    assert [ln.get_label() for ln in lines] == ["lr a", "lr b"]
+    assert list(lines[0].get_ydata()) == [3.0]  # validation points of the distillation after step 0 only

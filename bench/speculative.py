@@ -23,24 +23,35 @@ import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
 
-def _drafters_requested(argv: list[str]) -> list[str]:
-    """The --drafters values of argv (parsed before torch loads; the default includes http)."""
-    if "--drafters" not in argv:
-        return ["engine", "http"]
-    rest = argv[argv.index("--drafters") + 1:]
-    return rest[:next((i for i, a in enumerate(rest) if a.startswith("-")), len(rest))]
+
+def make_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", default=str(ROOT / "model"))
+    ap.add_argument("--prompts", default=None, help="held-out prompt file (project format or question.jsonl)")
+    ap.add_argument("--n", type=int, default=12, help="prompts, spread over categories")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--min-confidence", type=float, nargs="*", default=[0.2, 0.4],
+                    help="dynamic draft length thresholds (k=16 cap)")
+    ap.add_argument("--targets", nargs="+", default=["hf", "native"], choices=["hf", "native"])
+    ap.add_argument("--drafters", nargs="+", default=["engine", "http"], choices=["engine", "http"])
+    ap.add_argument("--engine-dtypes", nargs="+", default=[None], metavar="DTYPE",
+                    help="in-process engine weight modes compared side by side (default: the model dir's own)")
+    ap.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    return ap
 
 
 # Before torch: with an HTTP drafter, the server is a second process on the same cores, so idle OpenMP threads must
 # sleep (PASSIVE), not spin against it. In-process drafting keeps OpenMP's default (threads spin briefly between
 # ops): here both the target and the drafter run ~1.6x faster than with PASSIVE (whose wake-ups cost every op).
-if "http" in _drafters_requested(sys.argv[1:]):
+if "http" in make_parser().parse_known_args()[0].drafters:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from drafter_lib import data, hf_models, teacher  # noqa: E402
@@ -122,21 +133,7 @@ def print_row(r: dict) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-dir", default=str(ROOT / "model"))
-    ap.add_argument("--prompts", default=None, help="held-out prompt file (project format or question.jsonl)")
-    ap.add_argument("--n", type=int, default=12, help="prompts, spread over categories")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    ap.add_argument("--min-confidence", type=float, nargs="*", default=[0.2, 0.4],
-                    help="dynamic draft length thresholds (k=16 cap)")
-    ap.add_argument("--targets", nargs="+", default=["hf", "native"], choices=["hf", "native"])
-    ap.add_argument("--drafters", nargs="+", default=["engine", "http"], choices=["engine", "http"])
-    ap.add_argument("--engine-dtypes", nargs="+", default=[None], metavar="DTYPE",
-                    help="in-process engine weight modes compared side by side (default: the model dir's own)")
-    ap.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
-    ap.add_argument("--json", default=None, help="also write the rows here")
-    args = ap.parse_args(argv)
+    args = make_parser().parse_args(argv)
 
     records = heldout_prompts(args.prompts, args.n)
     hf, tok = hf_models.load_default_teacher()

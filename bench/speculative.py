@@ -46,7 +46,7 @@ def make_parser() -> argparse.ArgumentParser:
 
 # Before torch: with an HTTP drafter, the server is a second process on the same cores, so idle OpenMP threads must
 # sleep (PASSIVE), not spin against it. In-process drafting keeps OpenMP's default (threads spin briefly between
-# ops): here both the target and the drafter run ~1.6x faster than with PASSIVE (whose wake-ups cost every op).
+# ops): here plain decoding ran 1.5x faster than with PASSIVE (27.9 vs 18.5 tok/s), whose wake-ups cost every op.
 if "http" in make_parser().parse_known_args()[0].drafters:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

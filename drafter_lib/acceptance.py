@@ -167,3 +167,20 @@ def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Seq
                     break
     bar.close()
     return SimulationResult(overall, dict(per_cat), time.perf_counter() - t0, drafted)
+
+
+def pool_by_origin(per_group: dict[str, AcceptanceStats], groups: Sequence[str],
+                   origins: Sequence[str | None]) -> dict[str, dict]:
+    """origin -> the pooled statistics (`AcceptanceStats.to_dict`) of the groups whose items all have that origin;
+    a group with items of several origins pools under "mixed". {} when no item has an origin."""
+    if not any(origins):
+        return {}
+    origin_of: dict[str, set] = {}
+    for g, o in zip(groups, origins):
+        origin_of.setdefault(g, set()).add(o or "unknown")
+    label = {g: next(iter(os_)) if len(os_) == 1 else "mixed" for g, os_ in origin_of.items()}
+    pooled: dict[str, AcceptanceStats] = {}
+    for g, stats in per_group.items():
+        pooled.setdefault(label.get(g, "mixed"), AcceptanceStats(stats.k)).merge(stats)
+    return {o: {**st.to_dict(), "groups": sorted(g for g in per_group if label.get(g, "mixed") == o)}
+            for o, st in pooled.items()}

@@ -5,33 +5,28 @@
     drafts = engine.draft_batch([t1, t2], 16)  # one Draft per request; decode steps batched across them
     engine.draft(tokens, 16, min_confidence=0.3, return_probs=True)  # dynamic length; Draft.probs
 
-- Weights: "auto" (default): each weight shape held in the path measured fastest on this machine for a decode
-  step, among fp32, fp16 (upcast per call) and fp16 with a compiled fused GEMV (`kernels.py`: the choice is
-  cached per CPU, torch version and thread count; "auto-approx" adds bf16 and int8). Fixed modes (as
-  `weight_formats.hold_weights` holds them): "float16": decoder linears in fp16 (half the memory), computed with
-  fp32 activations; "int8": int8 linears with per-token int8 activations (approximate, opt-in); "float32":
-  everything fp32 (bit-comparable with transformers). Every mode but "float32" holds the embedding/lm_head as the
-  pack's int8 rows (read as stored) when that is exact, with an exact greedy argmax at int8 GEMV speed (`Int8Head`).
-  A model dir may name its mode (config.json `draft_engine_dtype`, the shipped one "auto-approx"): `from_dir`
-  uses it unless given a dtype.
+- Weights (`dtype`): "auto" (default) holds each weight shape in the path measured fastest here (`kernels.py`;
+  "auto-approx" adds bf16 and int8 linears); "float16", "int8", "float32" force one (`weight_formats.hold_weights`).
+  Below fp32 the embedding/lm_head are the pack's int8 rows, with an exact greedy argmax (`Int8Head`). A model dir
+  may name its mode (config.json `draft_engine_dtype`): `from_dir` uses it unless given a dtype.
 - The same request gets the same draft whatever the cache state and whatever else shares its batch: every token
-  runs the same math whether it is part of a long prefill, a one-token tail after a cached prefix or a row of a
-  batched decode step (no path is chosen by the number of rows; see hold_weights and kernels.py), up to fp32
-  summation order.
+  runs the same math whether it is part of a long prefill, a tail after a cached prefix, a row of a batched prefill
+  or decode step (no path is chosen by the number of rows; see hold_weights and kernels.py), up to fp32 summation
+  order.
 - Dynamic draft length: with a threshold c > 0 (`min_confidence` per request, else the model dir's
-  `draft_min_confidence`; 0 turns it off) the draft stops before the first model-drafted token whose probability
-  under the drafter (softmax over the head's logits, fp32) is below c. Tokens the copy prior proposes in "prefix"
-  mode are not subject to it (their `probs` entry is None: the model did not draft them); in "accelerate" mode
-  every token is the model's own and is checked. The token is always the same argmax routine's (Int8Head's exact
-  argmax included), the probability is only added, so a stopped draft is a prefix of the unstopped one. Without a
-  threshold and without return_probs no softmax is computed. An Int8Head's logits for the softmax come from
-  `int8_head_logits` (exact int8 GEMVs, not a dequantized table).
+  `draft_min_confidence`; 0 = off) the draft stops before the first model-drafted token whose probability under
+  the drafter (fp32 softmax over the head's logits; an Int8Head's from `approx_logits`) is below c. Tokens the copy
+  prior proposes in "prefix" mode are not subject to it (their `probs` entry is None). The token is always the same
+  argmax routine's, the probability is only added, so a stopped draft is a prefix of the unstopped one; without a
+  threshold and without return_probs no softmax is computed.
 - Prefix KV cache (prefix_cache.py): a row is stored under request + the draft tokens whose K/V were computed.
+- Batching: the uncached tails of a batch's requests (up to _BATCH_FEED tokens: a speculative loop's next step) run
+  as one right-padded pass (a pad sits after its row's real tokens, so nothing real attends to it); a longer tail (a
+  new prompt) runs alone. Decode steps are batched; the head's greedy tokens of all rows come from one int8 GEMM.
 - In-flight memory: draft_batch runs its requests in groups whose decode cache (rows x longest row) holds at most
   max_batch_tokens token slots, so a burst of long contexts cannot allocate without bound. Rows that finish or
   stop leave the batched decode once they are at least half of it (their K/V go back to their own caches).
-- Thread-safety: public methods take one lock; the server calls them from a single worker thread anyway.
-  `cache_info` reads counters only, so another thread may call it while a batch runs.
+- Thread-safety: public methods take one lock; `cache_info` reads counters only (callable while a batch runs).
 - No transformers import here.
 """
 from __future__ import annotations
@@ -63,6 +58,7 @@ DEFAULT_MAX_BATCH_TOKENS = 4096  # in-flight KV slots per decode group (24 MiB f
 MIN_CONFIDENCE_KEY = "draft_min_confidence"  # the model dir's default threshold, in its config.json
 ENGINE_DTYPE_KEY = "draft_engine_dtype"  # the model dir's default weight mode, in its config.json
 _CHUNK = 2048  # prefill chunk: a cold prompt up to this length runs as one causal pass (no mask, half the work)
+_BATCH_FEED = 32  # feeds up to this long share a batched prefill pass (a speculative loop's next step)
 
 
 class Draft(list):
@@ -90,6 +86,8 @@ class _Row:
     threshold: float = 0.0  # stop before a model-drafted token with a lower probability (0: off)
     probs: list | None = None  # per draft token, when computed
     stopped: bool = False
+    feed: list = field(default_factory=list)  # tokens still to run before the first model-drafted token
+    pick: bool = True  # whether the token after the feed joins the draft
 
     def done(self, k: int) -> bool:
         return self.stopped or len(self.draft) >= k
@@ -187,7 +185,8 @@ class DraftEngine:
     def draft_batch(self, requests: Sequence[Sequence[int]], k: int = 16,
                     min_confidence: float | None | Sequence[float | None] = None,
                     return_probs: bool | Sequence[bool] = False) -> list[Draft]:
-        """Draft for several requests; prefill per request, greedy decode steps batched across them.
+        """Draft for several requests: short feeds (a speculative loop's next step) prefilled in one batched pass,
+        long ones (new prompts) alone; greedy decode steps batched across them.
         min_confidence / return_probs: one value for all requests or one per request (None: the default)."""
         reqs = [self._validate(t, k, i) for i, t in enumerate(requests)]
         thresholds = [self.min_confidence if c is None else c for c in
@@ -198,7 +197,8 @@ class DraftEngine:
         out: list[Draft] = [Draft()] * len(reqs)
         with self._lock:
             for group in self._groups(reqs, k):
-                rows = [self._start(reqs[i], k, thresholds[i] or 0.0, want[i]) for i in group]
+                rows = [self._open(reqs[i], k, thresholds[i] or 0.0, want[i]) for i in group]
+                self._prefill(rows)
                 active = [r for r in rows if not r.done(k)]
                 if len(active) == 1:
                     self._decode_single(active[0], k)
@@ -253,13 +253,13 @@ class DraftEngine:
                 longest = n
         return groups
 
-    def _start(self, tokens: list[int], k: int, threshold: float, want_probs: bool) -> _Row:
-        """Prefix-cache lookup, prefill of the uncached tail, first draft token(s)."""
+    def _open(self, tokens: list[int], k: int, threshold: float, want_probs: bool) -> _Row:
+        """Prefix-cache lookup and copy prior: a row whose `feed` (the uncached tail, then the copied tokens unless
+        they fill the draft) is still to run."""
         self.stats["requests"] += 1
         cache, start = self._cache.acquire(tokens, len(tokens) + k)
         row = _Row(tokens, cache, valid=start, cached=start, threshold=threshold,
-                   probs=[] if want_probs or threshold else None)
-        nxt, probs = self._forward(row, tokens[start:])
+                   probs=[] if want_probs or threshold else None, feed=tokens[start:])
         pol = self.copy_policy
         if pol.enabled and pol.mode == "prefix":
             copy = pol.propose(tokens, k)
@@ -268,10 +268,47 @@ class DraftEngine:
                 if row.probs is not None:
                     row.probs = [None] * len(copy)  # proposed by the copy prior, not drafted by the model
                 if len(copy) >= k:
-                    return row
-                nxt, probs = self._forward(row, copy)  # run the model over the copied tokens, then let it continue
-        row.take(nxt, probs)
+                    row.pick = False  # the draft is full: only the tail's K/V are needed
+                else:
+                    row.feed += copy  # run the model over the copied tokens too, then let it continue
         return row
+
+    def _prefill(self, rows: list[_Row]):
+        """Run every row's feed, take the model's token after it. Short feeds (a speculative loop's next step) share
+        one batched pass; long ones (a new prompt) run alone, chunked: a causal pass, no mask, no padding."""
+        short = [r for r in rows if len(r.feed) <= _BATCH_FEED]
+        alone = [r for r in rows if len(r.feed) > _BATCH_FEED] + (short if len(short) == 1 else [])
+        for r in alone:
+            nxt, probs = self._forward(r, r.feed)
+            if r.pick:
+                r.take(nxt, probs)
+        if len(short) > 1:
+            self._prefill_batched(short)
+
+    def _prefill_batched(self, rows: list[_Row]):
+        """One pass over the rows' feeds, right-padded to the longest. A pad sits at a position after its row's
+        last real token, so no real token attends to it, and its K/V are never copied back."""
+        T = max(len(r.feed) for r in rows)
+        batch = self._gather(rows, max(r.valid for r in rows) + T)
+        ids = torch.tensor([r.feed + [0] * (T - len(r.feed)) for r in rows])
+        pos = torch.tensor([[r.valid + j for j in range(T)] for r in rows])
+        h = self.model.hidden(ids, pos, batch)
+        h = h[torch.arange(len(rows)), torch.tensor([len(r.feed) - 1 for r in rows])]
+        for b, r in enumerate(rows):
+            r.cache.copy_span(0, batch, b, r.valid, r.valid + len(r.feed))
+            r.valid += len(r.feed)
+            self.stats["computed_tokens"] += len(r.feed)
+        toks, probs = self._pick(h, [r.probs is not None for r in rows])
+        for b, r in enumerate(rows):
+            if r.pick:
+                r.take([toks[b]], None if probs is None else [probs[b]])
+
+    def _gather(self, rows: list[_Row], cap: int) -> KVCache:
+        """A batch cache of capacity cap holding each row's valid prefix."""
+        batch = self.model.new_cache(len(rows), cap)
+        for b, r in enumerate(rows):
+            batch.copy_span(b, r.cache, 0, 0, r.valid)
+        return batch
 
     def _forward(self, row: _Row, new: list[int], all_tokens: bool = False) -> tuple[list[int], list | None]:
         """Feed `new` tokens after row.valid; returns the greedy next token after each fed token (only after the
@@ -300,12 +337,7 @@ class DraftEngine:
             row.valid = n0 + 1 + min(took, n)  # later slots (rejected or unconfident guesses) are stale
 
     def _decode_batched(self, rows: list[_Row], k: int):
-        cap = max(r.valid for r in rows) + k + 1
-        batch = self.model.new_cache(len(rows), cap)
-        for b, r in enumerate(rows):  # gather each row's valid prefix into the shared batch cache
-            for li in range(batch.num_layers):
-                batch.k[li][b, :, :r.valid] = r.cache.k[li][0, :, :r.valid]
-                batch.v[li][b, :, :r.valid] = r.cache.v[li][0, :, :r.valid]
+        batch = self._gather(rows, max(r.valid for r in rows) + k + 1)
         start = {id(r): r.valid for r in rows}
         live = list(rows)  # the rows the batch cache holds, in its row order
         while True:
@@ -315,7 +347,7 @@ class DraftEngine:
             if 2 * len(active) <= len(live):  # at least half are done: they leave, so steps cost the rest only
                 for b, r in enumerate(live):
                     if r.done(k):
-                        _scatter(batch, b, r, start[id(r)])
+                        r.cache.copy_span(0, batch, b, start[id(r)], r.valid)
                 batch.select_rows(active)
                 live = [live[b] for b in active]
                 active = list(range(len(live)))
@@ -328,7 +360,7 @@ class DraftEngine:
                 live[b].take([toks[j]], None if probs is None else [probs[j]])
             self.stats["computed_tokens"] += len(live)
         for b, r in enumerate(live):  # scatter the new positions back into each row's own cache
-            _scatter(batch, b, r, start[id(r)])
+            r.cache.copy_span(0, batch, b, start[id(r)], r.valid)
 
     def _pick(self, h: torch.Tensor, need: bool | list[bool]) -> tuple[list[int], list | None]:
         """Greedy token per row of final hidden states h [M, H], as full-vocabulary ids (a reduced draft-vocabulary
@@ -339,13 +371,10 @@ class DraftEngine:
         sel = [i for i, w in enumerate(need) if w]
         if isinstance(head, Int8Head):
             # the exact argmax, its candidates pruned by the int8 logits that also give a probability when asked
-            idx, rows = torch.empty(h.shape[0], dtype=torch.long), []
-            for i, xm in enumerate(h.float()):
-                approx, bound = head.approx_logits(xm)
-                idx[i] = head.exact_argmax(xm, approx, bound)
-                if need[i]:
-                    rows.append(approx.float())
-            logits = torch.stack(rows) if sel else None
+            x = h.float()
+            approx, bound = head.approx_logits(x)  # all rows in one int8 GEMM
+            idx = head.exact_argmax(x, approx, bound)
+            logits = approx[sel].float() if sel else None
         else:
             logits = head(h)
             idx = logits.argmax(-1)
@@ -358,21 +387,6 @@ class DraftEngine:
         for j, i in enumerate(sel):
             probs[i] = p[j]
         return toks, probs
-
-
-def int8_head_logits(head: Int8Head, x: torch.Tensor) -> torch.Tensor:
-    """fp32 logits [M, V] of an Int8Head's rows for x [M, H], without dequantizing the table: x is split into three
-    int8 parts (`Int8Head.approx_logits`: max error ~ max|x| / 127^3 / 2 per element), exact int8 GEMVs summed in
-    float64, times the row scales. Closer to the float64 logits than the dequantizing forward (shipped head: 6e-6
-    vs 8e-6 max error) at a fifth of its cost (5 ms vs 27 ms per row, 1 thread)."""
-    return torch.stack([head.approx_logits(xm)[0].float() for xm in x.float()])
-
-
-def _scatter(batch: KVCache, b: int, r: _Row, s: int):
-    """Copy the positions [s, r.valid) the batched decode computed for row b back into the row's own cache."""
-    for li in range(batch.num_layers):
-        r.cache.k[li][0, :, s:r.valid] = batch.k[li][b, :, s:r.valid]
-        r.cache.v[li][0, :, s:r.valid] = batch.v[li][b, :, s:r.valid]
 
 
 def _check_bool(value, what: str) -> bool:

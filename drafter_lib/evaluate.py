@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .acceptance import simulate
+from .acceptance import pool_by_origin, simulate
 from .baselines import load_hf_checkpoint, standard_baselines
 from .heldout import conversation_items, load_heldout_sets, round_robin, with_answers
 from .io_utils import read_jsonl, write_json, write_jsonl
@@ -221,6 +221,14 @@ def baselines_table(results: dict[str, dict], k: int | None = None, counts: dict
                          "acceptance rate per draft position:\n" + position_table(results)])
 
 
+def origin_table(by_origin: dict[str, dict]) -> str:
+    """MAL and first-position acceptance per drafter (rows) and prompt origin (columns)."""
+    origins = list(dict.fromkeys(o for r in by_origin.values() for o in r))
+    rows = [[n] + [f"{r[o]['mean_acceptance_length']:.3f} / {_rate(r[o]['per_position_acceptance'][0])}"
+                   if o in r else "-" for o in origins] for n, r in by_origin.items()]
+    return _fmt_table(["drafter (MAL / p@1)"] + origins, rows)
+
+
 def write_metrics(path: str | Path, metrics: dict) -> None:
     write_json(path, metrics)  # NaN (a rate with no trials) becomes null
 
@@ -278,9 +286,11 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
     groups = [str(it.get(group_by) or it.get("category") or "default") for it in items]
     log(f"references: {len(refs)} prompts, {sum(map(len, refs))} target tokens ({ref_s:.1f}s)")
     results: dict[str, dict] = OrderedDict()
+    by_origin: dict[str, dict] = OrderedDict()
     for name, d in drafters.items():
         res = simulate(d, prompts, refs, k=k, categories=groups, batch_size=batch_size, desc=name, grow=True)
         results[name] = res.to_dict()
+        by_origin[name] = pool_by_origin(res.per_category, groups, [it.get("origin") for it in items])
         log(f"{name:28s} MAL {res.overall.mean_acceptance_length:.3f}  ({res.seconds:.1f}s)")
     e2e = {}
     if e2e_prompts > 0:
@@ -313,6 +323,9 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
                                 **{c: v["mean_acceptance_length"] for c, v in r["per_category"].items()}}
                             for n, r in results.items()},
         "per_position_by_drafter": {n: r["per_position_acceptance"] for n, r in results.items()},
+        # the same statistics pooled by where the prompts come from (stages.eval_records: the run's own held-out
+        # split, drawn from its training sources, against sets of other sources); {} when items carry no origin
+        "acceptance_by_origin": by_origin if any(by_origin.values()) else {},
         "lossless": e2e.get("lossless"),
         "speedup": e2e.get("speedup"),
         "end_to_end": e2e,

@@ -72,6 +72,12 @@ class KVCache:
             self.v[i][row, :, :n] = v
         self.lengths[row] = n
 
+    def copy_span(self, row: int, src: KVCache, src_row: int, start: int, end: int):
+        """Copy positions [start, end) of `src`'s row `src_row` into `row` (gather rows into a batch, and back)."""
+        for i in range(self.num_layers):
+            self.k[i][row, :, start:end] = src.k[i][src_row, :, start:end]
+            self.v[i][row, :, start:end] = src.v[i][src_row, :, start:end]
+
     def row_view(self, row: int) -> KVCache:
         """A 1-row cache sharing storage with `row` of this one (prefill a row in place)."""
         view = KVCache.__new__(KVCache)

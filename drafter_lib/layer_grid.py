@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 from tqdm.auto import tqdm
 
+from .io_utils import to_jsonable
+
 
 def parse_variant(spec) -> str | list[int]:
     """CLI/JSON variant -> what hf_models.parse_keep takes: "first:8" stays a string, "0,3,7" -> [0, 3, 7]."""
@@ -76,3 +78,18 @@ def grid_cells(specs: dict, train_cfg: dict, vocab_sizes: Sequence | None = None
     if not cells:
         raise ValueError("every cell of the grid was skipped")
     return cells
+
+
+# TrainConfig keys that do not change what the distillation phase learns (paths, QAT, logging, resuming)
+_NOT_DISTILLATION = {"train_path", "val_path", "out_dir", "soft_labels", "base_model", "teacher_model", "qat_steps",
+                     "qat_lr", "qat_warmup_steps", "qat_init", "quant", "qat_group_size", "ckpt_every",
+                     "keep_checkpoints", "log_every", "resume", "stop_at_step", "progress", "num_threads",
+                     "eval_every"}  # eval_every: where the curve is sampled (and the best checkpoint taken from)
+
+
+def same_training(cfg, run_train_config: dict) -> bool:
+    """Whether a cell's TrainConfig distils exactly as the run's own training did (its train_config.json): every
+    key but paths, QAT and bookkeeping equal. The val split is the same either way (same rows, fraction, seed)."""
+    mine = {k: v for k, v in to_jsonable(cfg).items() if k not in _NOT_DISTILLATION}
+    theirs = {k: v for k, v in run_train_config.items() if k not in _NOT_DISTILLATION}
+    return mine == theirs

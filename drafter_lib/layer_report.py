@@ -77,7 +77,7 @@ def results_table(results: Sequence[dict]) -> str:
     fmt = lambda v: "nan" if isinstance(v, float) and math.isnan(v) else f"{v:.3f}"
     rows = [[r["variant"], ",".join(map(str, r["kept_layers"])), f"{r['params'] / 1e6:.2f}", f"{r['data_fraction']:g}",
              str(r["train_rows"]), str(r["steps"]), fmt(r["untrained_val_loss"]), fmt(r["trained_val_loss"]),
-             fmt(r["untrained_mal"]), fmt(r["trained_mal"]), fmt(r["trained_p_at_1"]), f"{r['train_seconds']:.0f}"]
+             fmt(r["untrained_mal"]), fmt(r["trained_mal"]), fmt(r["trained_p_at_1"]), _f(r["train_seconds"], ".0f")]
             for r in results]
     w = [max(len(x[i]) for x in [head] + rows) for i in range(len(head))]
     line = lambda cells: "  ".join(c.ljust(w[i]) if i < 2 else c.rjust(w[i]) for i, c in enumerate(cells))

@@ -51,7 +51,7 @@ from tqdm.auto import tqdm
 from . import config as C
 from . import layer_costs as LC
 from .io_utils import read_json, read_jsonl, write_jsonl
-from .layer_grid import cell_label, grid_cells, parse_variant, variant_name
+from .layer_grid import cell_label, grid_cells, parse_variant, same_training, variant_name
 from .layer_report import cost_table, plot_frontier, plot_layer_study, results_table, speedup_table
 from .layout import LayerStudyLayout, RunLayout, repo_relative
 
@@ -198,7 +198,7 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
                     base_cfg_overrides: dict | None = None, drafter_base: str | None = None,
                     max_new_tokens: int | None = None, keep_weights: bool = False,
                     sim_batch_size: int = 16, vocab_sizes: Sequence | None = None, losses: Sequence[str] | None = None,
-                    cost: LC.CostSettings | None = LC.DEFAULT_COST) -> list[dict]:
+                    cost: LC.CostSettings | None = LC.DEFAULT_COST, reuse_run_training: bool = False) -> list[dict]:
     """Train + measure every cell (variant x vocab size x loss x data fraction); returns the rows (also in
     out_dir/results.jsonl), each with its shape's cost and expected speedup (cost=None: not measured).
 
@@ -206,6 +206,8 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
     eval.max_new_tokens); vocab_sizes / losses None keep the run's train.draft_vocab_size / train.loss.
     keep_weights=False deletes each finished run's checkpoints and weights (keeping its history and loss plot):
     a pruned 135M drafter + optimizer state is ~1 GB per run.
+    reuse_run_training: the fraction-1.0 row of a cell whose distillation settings equal the run's own training
+    (`same_training`) is scored from the run's train/ (history, best_distill weights) instead of trained again.
     """
     from . import baselines as B
     from . import hf_models, stages
@@ -300,7 +302,12 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
         cfg = T.TrainConfig.from_dict({**d, "train_path": str(train_path), "val_path": str(val_path),
                                        "out_dir": str(run_out.root), "keep_layers": specs[name]})
         t0 = time.perf_counter()
-        res = T.run_training(cfg)
+        reused = reuse_run_training and frac == 1.0 and same_training(cfg, read_json(run.train.config))
+        if reused:
+            run_out = run.train  # the study's own distillation of this cell: its curve and weights, scored here
+            res = {"done": True, "history": [h for h in read_json(run.train.history) if h.get("phase") != "qat"]}
+        else:
+            res = T.run_training(cfg)
         train_s = time.perf_counter() - t0
         if not res["done"]:
             raise RuntimeError(f"training {label} (fraction {frac}) stopped at step {res['step']} of {steps}")
@@ -323,16 +330,18 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
             "untrained_hist": u["hist"], "trained_hist": trained["hist"],
             "untrained_mal_per_group": u["mal_per_group"], "trained_mal_per_group": trained["mal_per_group"],
             "coverage": LC.held_out_coverage(sd.get(IDS_TENSOR), val=val_conts, refs=refs),
-            "train_seconds": round(train_s, 1), "tokens_per_s": train_tok[-1] if train_tok else None,
+            "train_seconds": None if reused else round(train_s, 1),
+            "tokens_per_s": train_tok[-1] if train_tok else None,
             "eval_prompts": len(prompts), "reference_tokens": sum(map(len, refs)), "k": k,
-            "run_dir": run_out.root.relative_to(out.root).as_posix(),
+            "run_dir": repo_relative(run_out.root) if reused else run_out.root.relative_to(out.root).as_posix(),
+            "reused_run_training": reused,
         }
         row = LC.with_speedup(row, costs.get(shape(name, d)))
         with open(out.results, "a") as f:  # appended row by row: the resume record
             f.write(json.dumps(row) + "\n")
         done[key] = row
         rows.append(row)
-        if not keep_weights:
+        if not keep_weights and run_out.root != run.train.root:
             for sub in (run_out.root / CKPT_DIR, run_out.best_distill, run_out.best):
                 shutil.rmtree(sub, ignore_errors=True)
     bar.close()
@@ -360,6 +369,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: the run's)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="TrainConfig overrides, e.g. lr=1e-3")
     ap.add_argument("--keep-weights", action="store_true", help="keep each run's checkpoints and best weights")
+    ap.add_argument("--reuse-run-training", action="store_true",
+                    help="score the run's own train/ as the fraction-1.0 row of a cell trained exactly like it")
     ap.add_argument("--out", default=None, help="output dir (default: RUN/layer_study; relative: from the repo root)")
     ap.add_argument("--plot", default=None, help="PNG path (default: OUT/layer_study.png)")
     args = ap.parse_args(argv)
@@ -386,7 +397,8 @@ def main(argv=None) -> list[dict]:
     rows = run_layer_study(args.run, args.variants, args.steps, out.root, teacher=args.teacher,
                            data_fractions=args.fractions, eval_limit=args.eval_limit, k=args.k,
                            num_threads=args.threads, base_cfg_overrides=overrides, keep_weights=args.keep_weights,
-                           vocab_sizes=args.vocab_sizes, losses=args.losses, cost=cost)
+                           vocab_sizes=args.vocab_sizes, losses=args.losses, cost=cost,
+                           reuse_run_training=args.reuse_run_training)
     png = plot_layer_study(rows, args.plot or out.plot)
     print()
     print(results_table(rows))

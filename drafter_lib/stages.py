@@ -270,6 +270,10 @@ def publish_pack(cfg: C.StudyConfig, run: RunLayout) -> None:
 # ---------------------------------------------------------------------------------------------- 05_eval
 
 
+ORIGIN_RUN_SPLIT = "run split (training sources)"
+ORIGIN_SETS = "held-out sets (other sources)"
+
+
 def eval_records(cfg: C.StudyConfig, run: RunLayout) -> tuple[list[dict], list[dict], list[str]]:
     """The held-out prompts: the run's split plus eval.heldout_files, less any record of those files that shares
     an id, a normalized text or a 13-gram with the run's training prompts. -> (records, declarations of the
@@ -280,7 +284,9 @@ def eval_records(cfg: C.StudyConfig, run: RunLayout) -> tuple[list[dict], list[d
     overlap = set(heldout.training_overlap(extra, data.load_prompt_file(run.train_prompts)))
     if overlap:
         print(f"{len(overlap)} held-out records overlap the training prompts: left out ({sorted(overlap)[:5]} ...)")
-    records = data.load_prompt_file(run.heldout_prompts) + [r for r in extra if r["id"] not in overlap]
+    # origin: the eval pools acceptance by it (the run's split comes from the training sources, the sets do not)
+    records = ([{**r, "origin": ORIGIN_RUN_SPLIT} for r in data.load_prompt_file(run.heldout_prompts)]
+               + [{**r, "origin": ORIGIN_SETS} for r in extra if r["id"] not in overlap])
     return records, decls, sorted(overlap)
 
 
@@ -308,4 +314,5 @@ def evaluate_run(cfg: C.StudyConfig, run: RunLayout) -> dict:
     ev.write_metrics(run.eval_metrics, metrics)
     ev.write_metrics(run.metrics, metrics)
     print(ev.baselines_table(metrics["baselines"], e.k, metrics["prompts_per_category"]))
+    print("\nby origin of the prompts:\n" + ev.origin_table(metrics["acceptance_by_origin"]))
     return metrics

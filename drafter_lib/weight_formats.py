@@ -148,31 +148,44 @@ class Int8Head(nn.Module):
                for s in range(0, self.q.shape[0], 8192)]
         return torch.cat(out, -1)
 
-    def approx_logits(self, xm: torch.Tensor, parts: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
-        """(float64 logits [V] of one hidden row xm [H], the bound [V] on each one's error) from int8 GEMVs of xm
-        split into `parts` int8 parts (x = s1 q1 + s2 q2 + ... + r, |r| <= s_last / 2 ~ max|x| / 127**parts / 2)."""
-        qs, scales, r = [], [], xm.double()
+    def approx_logits(self, x: torch.Tensor, parts: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float64 logits [M, V] of hidden rows x [M, H], the bound [M, V] on each one's error) from one int8 GEMM
+        of every row split into `parts` int8 parts (x = s1 q1 + s2 q2 + ... + r, |r| <= s_last / 2 ~ max|x| / 127**
+        parts / 2; the scales are per row). The products are exact integers and the rest is elementwise per row, so
+        a row's result does not depend on the other rows of the call."""
+        r = x.double().reshape(-1, x.shape[-1])
+        qs, scales = [], []
         for _ in range(parts):
-            s = float(r.abs().amax()) / 127 or 1.0
+            s = r.abs().amax(-1, keepdim=True) / 127
+            s = torch.where(s == 0, 1.0, s)
             q = torch.round(r / s)
             qs.append(q)
             scales.append(s)
             r = r - q * s
-        acc = _int_mm(torch.stack(qs).to(torch.int8), self.q, self._int_mm).double()  # one M=parts int8 GEMM
-        approx = (torch.tensor(scales, dtype=torch.float64) @ acc) * self.scale[:, 0].double()
-        return approx, self.l1.double() * (0.5 * scales[-1] * 1.01)  # 1 % covers float64 rounding many times over
+        xq = torch.stack(qs, 1).reshape(-1, r.shape[-1]).to(torch.int8)  # [M * parts, H]: one GEMM for all rows
+        acc = _int_mm(xq, self.q, self._int_mm).double().reshape(r.shape[0], parts, -1)
+        approx = acc[:, 0] * scales[0]
+        for j in range(1, parts):
+            approx = approx + acc[:, j] * scales[j]
+        approx = approx * self.scale[:, 0].double()
+        return approx, self.l1.double() * (scales[-1] * (0.5 * 1.01))  # 1 % covers float64 rounding many times
 
-    def exact_argmax(self, xm: torch.Tensor, approx: torch.Tensor, bound: torch.Tensor) -> int:
-        """argmax of the fp32 logits of xm, computed exactly only for the rows `approx` +- `bound` cannot rule out."""
-        idx = ((approx + bound) >= (approx - bound).max()).nonzero()[:, 0]
-        exact = (self.q[idx].float() * self.scale[idx]) @ xm.float()
-        return int(idx[exact.argmax()])
+    def exact_argmax(self, x: torch.Tensor, approx: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+        """argmax [M] of the fp32 logits of rows x [M, H], computed exactly only for the head rows that `approx` +-
+        `bound` (from `approx_logits(x)`) cannot rule out."""
+        out = torch.empty(approx.shape[0], dtype=torch.long)
+        hi, lo = approx + bound, approx - bound
+        for i, xm in enumerate(x.float().reshape(-1, x.shape[-1])):
+            idx = (hi[i] >= lo[i].max()).nonzero()[:, 0]
+            exact = (self.q[idx].float() * self.scale[idx]) @ xm
+            out[i] = idx[exact.argmax()]
+        return out
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().reshape(-1, x.shape[-1])
         # Three parts, as the engine's probabilities use (the same candidates, so the same token whether or not a
         # probability is asked for); one part (|r| <= max|x| / 254) left ~half of the rows to the exact pass.
-        return torch.tensor([self.exact_argmax(xm, *self.approx_logits(xm)) for xm in x], dtype=torch.long)
+        return self.exact_argmax(x, *self.approx_logits(x))
 
 
 def _int8_table_and_head(model, rows: dict):

@@ -9,6 +9,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY_VOCAB = 512
 TINY_MAX_POS = 512
@@ -101,6 +103,10 @@ def guarded_env(guard_dir: Path, log: Path, **extra) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(guard_dir), str(ROOT)] + ([env["PYTHONPATH"]]
                                                                        if env.get("PYTHONPATH") else []))
     env["NET_GUARD_LOG"] = str(log)
+    # the server's torch threads = this process's, so both time and cache their kernel plan under one key
+    # (kernels.machine_key): a test that compares served drafts with an in-process engine's sees one plan, not two
+    # measured apart (on a busy machine they differed: fp16 for a shape on one side, fp32 on the other)
+    env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
     env.update({k: str(v) for k, v in extra.items()})
     return env
 

@@ -220,7 +220,6 @@ def test_copied_tokens_are_not_subject_to_the_threshold(hf):
 
 def test_int8_head_logits_are_fp32_accurate():
     """The confidence path's logits of an int8-row head: as close to float64 as the dequantizing forward."""
-    from drafter_lib.engine import int8_head_logits
     from drafter_lib.weight_formats import Int8Head, int8_rows
 
     g = torch.Generator().manual_seed(1)
@@ -229,14 +228,18 @@ def test_int8_head_logits_are_fp32_accurate():
     x = torch.randn(5, 96, generator=g) * 4
     x[0] = 0  # a zero row must not divide by zero
     exact = x.double() @ (q.double() * scale.double()).T
-    got, fwd = int8_head_logits(head, x), head(x)
+    got, fwd = head.approx_logits(x)[0].float(), head(x)
     assert got.dtype == torch.float32 and got.shape == (5, 3000)
     assert (got.double() - exact).abs().max() <= 2 * (fwd.double() - exact).abs().max() + 1e-6
     assert torch.allclose(got.softmax(-1), fwd.softmax(-1), atol=1e-6)
+    for i in range(5):  # a row's logits and bound are the same bits alone as in a batch (per-row scales)
+        alone = head.approx_logits(x[i:i + 1])
+        assert all(torch.equal(a[0], b[i]) for a, b in zip(alone, head.approx_logits(x)))
+    assert torch.equal(head.argmax(x), torch.stack([head.argmax(x[i:i + 1])[0] for i in range(5)]))
 
 
 def test_packed_int8_head_probs_equal_softmax_of_its_logits(tmp_path):
-    """The default engine of a pack (Int8Head: the exact argmax, probabilities from int8_head_logits): its tokens
+    """The default engine of a pack (Int8Head: the exact argmax, probabilities from Int8Head.approx_logits): its tokens
     are the argmax and its probabilities the softmax of the head's dequantized fp32 logits over the same hidden
     states (recomputed here as one prefill)."""
     from drafter_lib.model_dir import write_model_dir

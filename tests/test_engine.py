@@ -101,6 +101,26 @@ def test_draft_batch_equals_sequential(hf):
     assert eng.stats["computed_tokens"] - before == 1 + 9
 
 
+def test_short_feeds_share_one_prefill_pass(hf):
+    """The next step of several speculative loops (a few uncached tokens each) runs as one padded pass, and each
+    row drafts what it drafts alone and cold (the transformers greedy continuation)."""
+    eng = make_engine(hf)
+    reqs = [rand_tokens(n, 60 + n) for n in (20, 25, 33)]
+    eng.draft_batch(reqs, 8)
+    ext = [r + [5] + [6] * i for i, r in enumerate(reqs)]  # uncached tails of 1, 2 and 3 tokens
+    shapes, hidden = [], eng.model.hidden
+
+    def spy(ids, pos, cache=None, last_only=False):
+        shapes.append(tuple(ids.shape))
+        return hidden(ids, pos, cache, last_only)
+
+    eng.model.hidden = spy
+    got = eng.draft_batch(ext, 8)
+    assert got == [hf_greedy(hf, e, 8) for e in ext]
+    assert [d.cached_prefix_len for d in got] == [len(r) for r in reqs]
+    assert shapes == [(3, 3)] + [(3, 1)] * 7  # one prefill pass (padded to the longest tail), then decode steps
+
+
 def test_fp16_engine_close_to_fp32(hf):
     p = rand_tokens(30, 7)
     d16, d32 = make_engine(hf, dtype="float16").draft(p, 16), make_engine(hf).draft(p, 16)

@@ -120,6 +120,18 @@ def test_second_turn_is_prompted_with_the_targets_own_first_answer(tiny_target, 
     assert ev.conversation_references(None, tok, items, 16, cache) == (prompts, refs)
 
 
+def test_pool_by_origin_merges_groups_and_marks_mixed_ones():
+    from drafter_lib.acceptance import AcceptanceStats, pool_by_origin
+
+    a, b, c = AcceptanceStats(2), AcceptanceStats(2), AcceptanceStats(2)
+    a.add(2, 2), a.add(0, 2), b.add(1, 2), c.add(0, 1)
+    got = pool_by_origin({"x": a, "y": b, "z": c}, ["x", "y", "z", "z"], ["o1", "o1", "o1", "o2"])
+    assert got["o1"]["groups"] == ["x", "y"] and got["o1"]["steps"] == 3 and got["o1"]["accepted_tokens"] == 3
+    assert got["o1"]["per_position_acceptance"] == [2 / 3, 1 / 3]
+    assert got["mixed"]["groups"] == ["z"] and got["mixed"]["accepted_length_hist"] == [1, 0, 0]
+    assert pool_by_origin({"x": a}, ["x"], [None]) == {}
+
+
 def test_report_has_every_drafter_per_category_and_position(tiny_target, tmp_path):
     from drafter_lib.acceptance import simulate
     from drafter_lib.baselines import engine_from_state_dict, ngram_drafter
@@ -127,8 +139,9 @@ def test_report_has_every_drafter_per_category_and_position(tiny_target, tmp_pat
 
     model, tok = tiny_target
     user = lambda text: {"role": "user", "content": text}  # noqa: E731
-    records = [{"id": "w", "category": "writing", "messages": [user("write about the sea"), user("now in rhyme")]},
-               {"id": "m", "category": "math", "messages": [user("what is 12 + 30? " * 3)]},
+    records = [{"id": "w", "category": "writing", "messages": [user("write about the sea"), user("now in rhyme")],
+                "origin": "sets"},
+               {"id": "m", "category": "math", "messages": [user("what is 12 + 30? " * 3)], "origin": "split"},
                {"id": "long", "category": "summarization", "messages": [user("Summarize: " + "word " * 600)]}]
     drafters = {"self": engine_from_state_dict(model.config, model.state_dict()),  # drafts what the target says
                 "n-gram lookup": ngram_drafter({"enabled": True, "max_ngram": 3, "min_ngram": 2})}
@@ -151,6 +164,14 @@ def test_report_has_every_drafter_per_category_and_position(tiny_target, tmp_pat
         assert m["per_position_by_drafter"][name] == plain["per_position_acceptance"] and len(plain[
             "per_position_acceptance"]) == k
     assert m["mal_by_category"]["self"]["all"] > 3.0  # the target's own weights draft its greedy tokens
+    for name, r in m["baselines"].items():  # pooled by origin: the second turn inherits its record's
+        cat = r["per_category"]
+        by = m["acceptance_by_origin"][name]
+        assert by["split"]["groups"] == ["math"] and by["sets"]["groups"] == [MULTI_TURN, "writing"]
+        assert by["split"]["accepted_length_hist"] == cat["math"]["accepted_length_hist"]
+        assert by["sets"]["steps"] == cat["writing"]["steps"] + cat[MULTI_TURN]["steps"]
+        assert by["sets"]["accepted_tokens"] == cat["writing"]["accepted_tokens"] + cat[MULTI_TURN]["accepted_tokens"]
+    assert "split" in ev.origin_table(m["acceptance_by_origin"])
     table = ev.baselines_table(m["baselines"], k, m["prompts_per_category"])
     assert f"{MULTI_TURN}  " in table and "p@4" in table
     pngs = ev.save_plots(m, tmp_path / "plots")

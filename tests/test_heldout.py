@@ -144,6 +144,7 @@ def test_eval_stage_leaves_out_what_the_run_trained_on_and_declares_the_sets(tmp
     assert [r["id"] for r in records] == ["s/2"] + [r["id"] for r in mt if r["id"] != mt[4]["id"]] + [
         "rag:2/0", "rag:2/1", "rag:2/2"]
     assert [d["name"] for d in decls] == ["mt_bench", "rag:2"]
+    assert [r["origin"] for r in records] == [stages.ORIGIN_RUN_SPLIT] + [stages.ORIGIN_SETS] * (len(records) - 1)
     write_json(run.architecture, {"corpora": [], "models": []})
     H.declare_eval_corpora(run.architecture, decls)
     assert read_json(run.architecture)["eval_corpora"] == json.loads(json.dumps(decls))

@@ -206,3 +206,17 @@ def test_draft_vocab_coverage_helper():
     assert LC.held_out_coverage(ids, val=[[1, 1, 3], [2]], refs=None) == {"val": 0.75, "refs": None}
     assert LC.held_out_coverage(None, val=[[5]]) == {"val": 1.0}
     assert DV.coverage(ids, DV.token_counts([[1, 1, 3], [2]])) == 0.75
+
+
+def test_same_training_ignores_paths_qat_and_bookkeeping_only():
+    from drafter_lib.io_utils import to_jsonable
+    from drafter_lib.layer_grid import same_training
+    from drafter_lib.train import TrainConfig
+
+    cfg = TrainConfig(steps=900, lr=1.5e-3, loss="kl_topk", loss_on_prompt=True, draft_vocab_size=8192)
+    run = to_jsonable(cfg)
+    assert same_training(cfg, {**run, "train_path": "../teacher/targets.jsonl", "out_dir": ".", "qat_steps": 50,
+                               "eval_every": 80, "num_threads": 2})
+    for key, value in (("lr", 1e-3), ("steps", 100), ("loss_on_prompt", False), ("draft_vocab_size", None),
+                       ("max_eval_batches", 8)):
+        assert not same_training(cfg, {**run, key: value}), key

@@ -119,3 +119,29 @@ def test_val_curves_plot_one_line_per_run(tmp_path, monkeypatch):
     lines = drawn[0].axes[0].get_lines()
     assert [ln.get_label() for ln in lines] == ["lr a", "lr b"]
     assert list(lines[0].get_ydata()) == [3.0]  # validation points of the distillation after step 0 only
+
+
+def test_compare_runs_reports_curves_and_acceptance(tmp_path):
+    import json
+
+    from drafter_lib.io_utils import write_json
+    from drafter_lib.run_compare import compare_runs, main
+
+    for name, final, mal in (("a", 3.0, 1.4), ("b", 2.5, 1.6)):
+        run = tmp_path / name
+        write_json(run / "train" / "history.json", [
+            {"step": 0, "kind": "val", "phase": "distill", "loss": 9.0},
+            {"step": 10, "kind": "val", "phase": "distill", "loss": final},
+            {"step": 12, "kind": "val", "phase": "qat", "loss": final + 0.1}])
+        write_json(run / "metrics.json", {"baselines": {"packed": {"mean_acceptance_length": mal,
+                                                                   "per_position_acceptance": [mal - 1, 0.1]}}})
+    rep = compare_runs({"lr a": tmp_path / "a", "lr b": tmp_path / "b"}, tmp_path / "out")
+    assert rep["lr b"]["val"] == [[0, 9.0], [10, 2.5]] and rep["lr b"]["val_after_qat"] == 2.6
+    assert rep["lr a"]["mean_acceptance_length"] == {"packed": 1.4}
+    assert rep["lr b"]["first_position_acceptance"] == {"packed": 0.6}
+    assert json.loads((tmp_path / "out" / "runs.json").read_text()) == rep
+    assert (tmp_path / "out" / "val_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(FileNotFoundError, match="03_train_qat"):
+        compare_runs({"none": tmp_path / "missing"}, tmp_path / "out2")
+    with pytest.raises(SystemExit):
+        main(["no-label-here", "--out", str(tmp_path / "out3")])

@@ -284,13 +284,14 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
                                             backend)
     ref_s = time.perf_counter() - t0
     groups = [str(it.get(group_by) or it.get("category") or "default") for it in items]
+    origins = [it.get("origin") for it in items]
     log(f"references: {len(refs)} prompts, {sum(map(len, refs))} target tokens ({ref_s:.1f}s)")
     results: dict[str, dict] = OrderedDict()
     by_origin: dict[str, dict] = OrderedDict()
     for name, d in drafters.items():
         res = simulate(d, prompts, refs, k=k, categories=groups, batch_size=batch_size, desc=name, grow=True)
         results[name] = res.to_dict()
-        by_origin[name] = pool_by_origin(res.per_category, groups, [it.get("origin") for it in items])
+        by_origin[name] = pool_by_origin(res.per_category, groups, origins)
         log(f"{name:28s} MAL {res.overall.mean_acceptance_length:.3f}  ({res.seconds:.1f}s)")
     e2e = {}
     if e2e_prompts > 0:

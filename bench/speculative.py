@@ -1,7 +1,8 @@
 """End to end: wall-clock tokens/s of speculative vs plain greedy decoding, on the same target implementation.
 
     python bench/speculative.py [--model-dir model] [--prompts FILE] [--n 12] [--max-new-tokens 256]
-                                [--k 1 2 4 8 16] [--min-confidence 0.3 ...] [--targets hf native]
+                                [--k 1 2 4 8 16] [--min-confidence 0.3 ...] [--dynamic-k 16 ...]
+                                [--targets hf native]
                                 [--drafters engine http] [--engine-dtypes auto auto-approx] [--no-assisted]
                                 [--json OUT]
 
@@ -34,7 +35,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--min-confidence", type=float, nargs="*", default=[0.2, 0.4],
-                    help="dynamic draft length thresholds (k=16 cap)")
+                    help="dynamic draft length thresholds")
+    ap.add_argument("--dynamic-k", type=int, nargs="+", default=[16],
+                    help="the most tokens a dynamic draft may have (one row per cap and threshold)")
     ap.add_argument("--targets", nargs="+", default=["hf", "native"], choices=["hf", "native"])
     ap.add_argument("--drafters", nargs="+", default=["engine", "http"], choices=["engine", "http"])
     ap.add_argument("--engine-dtypes", nargs="+", default=[None], metavar="DTYPE",
@@ -128,7 +131,7 @@ def assisted_rows(hf, assistant, prompts, max_new, stop) -> tuple[dict, dict]:
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['target']:18} {r['drafter']:28} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {r.get('mal', 1.0):5.2f} "
+    print(f"{r['target']:18} {r['drafter']:34} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {r.get('mal', 1.0):5.2f} "
           f"{r.get('draft_s', 0):8.1f} {r.get('verify_s', r['seconds']):8.1f} {str(r['lossless']):>8}", flush=True)
 
 
@@ -153,12 +156,14 @@ def main(argv=None) -> list[dict]:
         print(f"engine weights: {engine.dtype}" + (f" ({plan})" if plan else ""))
         name = "engine" if len(args.engine_dtypes) == 1 else f"engine {engine.dtype}"
         drafters.update({f"{name} k={k}": (engine, k) for k in args.k})
-        drafters.update({f"{name} dyn>={c}": (ConfidenceDrafter(engine, c), 16) for c in args.min_confidence})
+        drafters.update({f"{name} dyn>={c} k<={k}": (ConfidenceDrafter(engine, c), k)
+                         for k in args.dynamic_k for c in args.min_confidence})
     proc = client = None
     if "http" in args.drafters:
         proc, client = start_server(args.model_dir)
         drafters.update({f"http k={k}": (client, k) for k in args.k})
-        drafters.update({f"http dyn>={c}": (ConfidenceDrafter(client, c), 16) for c in args.min_confidence})
+        drafters.update({f"http dyn>={c} k<={k}": (ConfidenceDrafter(client, c), k)
+                         for k in args.dynamic_k for c in args.min_confidence})
 
     targets = {}
     if "hf" in args.targets:
@@ -168,7 +173,7 @@ def main(argv=None) -> list[dict]:
         targets["hand-written fp32"] = NativeTarget(Transformer.from_hf(hf.config.to_dict(), sd).float().eval())
 
     rows = []
-    header = (f"{'target':18} {'drafter':28} {'tok/s':>7} {'speedup':>7} {'MAL':>5} {'draft s':>8} {'verify s':>8} "
+    header = (f"{'target':18} {'drafter':34} {'tok/s':>7} {'speedup':>7} {'MAL':>5} {'draft s':>8} {'verify s':>8} "
               f"{'lossless':>8}")
     print(header)
     try:
@@ -200,7 +205,7 @@ def main(argv=None) -> list[dict]:
             rows += [{"target": "transformers generate", "drafter": "plain greedy", **plain, "speedup": 1.0,
                       "lossless": True}, r]
             for r in rows[-2:]:
-                print(f"{r['target']:18} {r['drafter']:28} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {'':5} {'':8} "
+                print(f"{r['target']:18} {r['drafter']:34} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {'':5} {'':8} "
                       f"{r['seconds']:8.1f} {str(r['lossless']):>8}", flush=True)
     finally:
         if proc is not None:

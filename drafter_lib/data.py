@@ -132,6 +132,12 @@ def default_sources(shared_data_dir=None, synthetic_n: int = 3000, seed: int = 0
     return sources
 
 
+def only_present(weights: dict[str, float], sources: list[dict]) -> dict[str, float]:
+    """The mixture weights of the sources present (the default mixture names corpora a machine may lack)."""
+    names = {s["name"] for s in sources}
+    return {name: w for name, w in weights.items() if name in names}
+
+
 def load_source(src: dict) -> tuple[list[dict], dict]:
     """-> (records, provenance dict for architecture.json)."""
     kind, name = src.get("kind"), src.get("name")

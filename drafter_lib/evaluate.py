@@ -368,6 +368,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--e2e-prompts", type=int, default=4, help="prompts for the real speculative decoding run")
     ap.add_argument("--e2e-k", type=int, default=None, help="draft tokens per step in the e2e run (default --k)")
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--references", default=None,
+                    help="JSONL cache of the target's references: reused when present (compare drafters on one set)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="metrics JSON path")
     ap.add_argument("--plots", default=None, help="dir for PNG plots")
@@ -390,7 +392,7 @@ def main(argv=None) -> dict:
         fp=load_hf_checkpoint(args.fp_checkpoint) if args.fp_checkpoint else None)
     metrics = run_evaluation(target, tok, records, drafters, k=args.k, max_new_tokens=args.max_new_tokens,
                              group_by=args.group_by, e2e_prompts=args.e2e_prompts, e2e_k=args.e2e_k,
-                             batch_size=args.batch_size, limit=args.limit)
+                             batch_size=args.batch_size, limit=args.limit, references_path=args.references)
     metrics.update({"target": args.target, "model": str(args.model), "prompts": list(args.prompts)})
     print()
     print(baselines_table(metrics["baselines"], args.k, metrics["prompts_per_category"]))

@@ -97,7 +97,10 @@ def build_prompts(cfg: C.StudyConfig, run: RunLayout):
                                    seed=cfg.study.seed, humaneval=d.humaneval)
     models = [hf_models.model_record(t_spec, role="teacher", relative_to=run.root),
               hf_models.model_record(d_spec, role="drafter_base", relative_to=run.root)]
-    summary = data.build_prompt_set(run.data_dir, sources=sources, weights=d.source_weights, total=d.total_prompts,
+    weights = d.source_weights
+    if weights == C.DEFAULT_SOURCE_WEIGHTS:  # the default may name corpora this machine lacks (no ../shared/data)
+        weights = data.only_present(weights, sources)
+    summary = data.build_prompt_set(run.data_dir, sources=sources, weights=weights, total=d.total_prompts,
                                     tokenizer=tok, min_tokens=d.min_prompt_tokens, max_tokens=d.max_prompt_tokens,
                                     heldout_frac=d.heldout_frac, seed=cfg.study.seed,
                                     architecture_path=run.architecture, models=models, train_path=run.train_prompts,

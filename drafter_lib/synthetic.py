@@ -142,7 +142,81 @@ def _format(rng: random.Random) -> str:
     return f"Write a short {rng.choice(['haiku', 'limerick', 'paragraph', 'tweet'])} about {rng.choice(TOPICS)}."
 
 
-FAMILIES = {"math": _math, "code": _code, "format": _format}
+# Open-ended chat families: the kinds of request a chat drafter meets that the shared corpora (T0 tasks, GSM8K,
+# self-instruct seeds) barely hold. Written here from word lists, not taken from any evaluation set; named apart
+# from MT-bench's categories (writing, roleplay, ...) so per-category reports never pool the two.
+FORMS = ["blog post", "short story", "poem", "persuasive essay", "email", "speech", "product description",
+         "cover letter", "restaurant review", "diary entry", "newsletter", "podcast intro", "letter to the editor",
+         "motivational message", "travel guide", "fable", "social media post", "opening paragraph of a novel"]
+SUBJECTS = TOPICS + ["a first day at a new job", "a forgotten lighthouse", "a town without cars", "learning the violin",
+                     "a rainy weekend in the mountains", "a neighborhood bakery", "moving to a new country",
+                     "a lost dog finding its way home", "a robot learning to paint", "a community garden",
+                     "saving money as a student", "an old friendship", "a winter market", "climbing a volcano",
+                     "a small island festival", "a library that never closes", "starting a podcast", "desert stars"]
+AUDIENCES = ["teenagers", "busy parents", "retirees", "first-time travelers", "software engineers",
+             "small business owners", "children", "university students", "a hiring manager",
+             "a local newspaper's readers", "a close friend"]
+TONES = ["humorous", "heartfelt", "formal", "upbeat", "suspenseful", "calm", "enthusiastic", "nostalgic", "concise"]
+PERSONAS = ["a ship's captain in the 1800s", "a detective solving a puzzling case", "a kind family doctor",
+            "a medieval blacksmith", "a travel guide in Kyoto", "an astronaut on the space station", "a chess coach",
+            "a famous chef", "a personal fitness trainer", "a librarian who loves mysteries", "a startup founder",
+            "a wise old wizard", "a museum curator", "a park ranger", "a career counselor", "a stand-up comedian",
+            "a history professor", "a pirate looking for treasure", "a gardener", "a customer support agent"]
+ASKS = ["How do you start a typical day?", "What advice would you give to a beginner?",
+        "Describe the hardest challenge you have faced.", "What is the one tool you could not work without?",
+        "A visitor asks you for a recommendation. What do you say?", "Tell me about a memorable mistake.",
+        "How would you explain your work to a child?", "What do people misunderstand about your job?",
+        "Someone is nervous about meeting you. Greet them.", "What would you change about your world?"]
+CONCEPTS = ["photosynthesis", "inflation", "the greenhouse effect", "supply and demand", "plate tectonics",
+            "natural selection", "compound interest", "the scientific method", "black holes", "vaccines",
+            "the Renaissance", "democracy", "machine learning", "the water cycle", "entropy", "the immune system",
+            "the Industrial Revolution", "opportunity cost", "DNA replication", "the placebo effect", "cloud computing",
+            "the Silk Road", "climate and weather", "nuclear fusion", "cognitive biases", "the printing press",
+            "antibiotic resistance", "the stock market", "plate armor", "the theory of relativity", "urbanization",
+            "game theory", "the French Revolution", "renewable energy storage", "the nitrogen cycle", "encryption"]
+AREAS = ["everyday life", "medicine", "business", "history", "sports", "cooking", "education", "farming", "travel",
+         "engineering", "politics", "the arts"]
+
+
+def _compose(rng: random.Random) -> str:
+    form, subject = rng.choice(FORMS), rng.choice(SUBJECTS)
+    kind = rng.randrange(5)
+    if kind == 0:
+        return f"Write a {rng.choice(TONES)} {form} about {subject}."
+    if kind == 1:
+        words = rng.choice([100, 150, 200, 300])
+        return f"Write a {form} about {subject} for {rng.choice(AUDIENCES)}. Keep it under {words} words."
+    if kind == 2:
+        return f"Compose a {form} about {subject} that starts with the sentence: {_sentence(rng)}"
+    if kind == 3:
+        return f"Draft a {rng.choice(TONES)} {form} for {rng.choice(AUDIENCES)} on {subject}, then give it a title."
+    return f"Give me three ideas for a {form} about {subject}, then write the first paragraph of the best one."
+
+
+def _persona(rng: random.Random) -> str:
+    persona, ask = rng.choice(PERSONAS), rng.choice(ASKS)
+    opener = rng.choice(["Pretend you are", "Act as", "Imagine you are", "You are", "Play the role of"])
+    if rng.random() < 0.3:
+        who, about = rng.choice(NOUNS), rng.choice(SUBJECTS)
+        return f"{opener} {persona}. Stay in character. A {who} asks you about {about}. Reply."
+    return f"{opener} {persona}. {ask}"
+
+
+def _explain(rng: random.Random) -> str:
+    concept, area = rng.choice(CONCEPTS), rng.choice(AREAS)
+    kind = rng.randrange(5)
+    if kind == 0:
+        return f"Explain {concept} to {rng.choice(AUDIENCES)}."
+    if kind == 1:
+        return f"What is {concept}, and why does it matter? Give an example from {area}."
+    if kind == 2:
+        return f"How has our understanding of {concept} changed over time? Mention its role in {area}."
+    if kind == 3:
+        return f"Give {rng.randint(3, 6)} key points everyone should know about {concept}."
+    return f"Describe {concept} in simple terms, then name one common misconception about it in {area}."
+
+FAMILIES = {"math": _math, "code": _code, "format": _format, "compose": _compose, "persona": _persona,
+            "explain": _explain}
 
 
 def synthetic_prompts(n: int, seed: int = 0, families: list[str] | None = None,

@@ -1,6 +1,7 @@
 """data / synthetic: determinism, dedup, held-out split, file formats, response dropping, architecture.json."""
 import gzip
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,8 @@ from drafter_lib.model_dir import sha256_file
 from drafter_lib.synthetic import FAMILIES, synthetic_prompts
 from drafter_lib.tiny_models import byte_tokenizer, tiny_random_model
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,29 @@ def test_synthetic_deterministic_per_seed():
     assert {r["category"] for r in only} == {"code"}
     with pytest.raises(ValueError, match="unknown synthetic families"):
         synthetic_prompts(5, families=["poetry"])
+
+
+def test_open_ended_families_varied_and_named_apart_from_mt_bench():
+    mt_bench = {json.loads(line)["category"] for line in (ROOT / "data/heldout/mt_bench.jsonl").open()}
+    for fam in ("compose", "persona", "explain"):
+        recs = synthetic_prompts(250, seed=0, families=[fam])  # raises if the family cannot give 250 distinct ones
+        assert fam not in mt_bench and {r["category"] for r in recs} == {fam}
+        first_words = Counter(r["messages"][0]["content"].split()[0] for r in recs)
+        assert len(first_words) >= 3, first_words  # several templates, not one sentence with slots
+
+
+def test_default_mixture_without_shared_corpora(tmp_path):
+    from drafter_lib.config import DEFAULT_SOURCE_WEIGHTS, DataConfig
+
+    assert DataConfig().source_weights == DEFAULT_SOURCE_WEIGHTS
+    full = D.only_present(DEFAULT_SOURCE_WEIGHTS, D.default_sources(SHARED, humaneval=False)) \
+        if (SHARED / "prompts").is_dir() else None
+    assert full is None or full == DEFAULT_SOURCE_WEIGHTS  # every corpus it names is in ../shared/data
+    sources = D.default_sources(None, synthetic_n=200, humaneval=False)
+    weights = D.only_present(DEFAULT_SOURCE_WEIGHTS, sources)
+    assert weights == {"synthetic": DEFAULT_SOURCE_WEIGHTS["synthetic"]}
+    s = D.build_prompt_set(tmp_path / "run", sources=sources, weights=weights, total=4200, heldout_frac=0.1)
+    assert s["train"] + s["heldout"] == 200  # the only source gives all it has
 
 
 def test_dedup_normalized_text():

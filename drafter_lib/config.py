@@ -109,7 +109,7 @@ DEFAULT_HELDOUT_FILES = ("data/heldout/mt_bench.jsonl", "data/heldout/spec_bench
 
 @dataclass
 class EvalConfig:
-    # Sized for <= ~8 min on 2 cores (README, "Held-out evaluation prompts"): 2 prompts in each of ~15 groups.
+    # Sized for <= ~8 min on 2 cores (README, "Held-out evaluation prompts"): 2 prompts in each of the 18 groups.
     limit: int | None = 36  # prompts (chat turns) spread round-robin over the groups: two of each of the 18 (None: all)
     max_new_tokens: int = 96
     k: int = 16  # draft tokens per target step
@@ -121,10 +121,10 @@ class EvalConfig:
 
 
 def _default_train() -> TrainConfig:
-    # Sized so the five stages end within 90 min on 2 cores: the teacher's 3,467 continuations (~506k tokens) take
-    # ~56 min, and a step of 8 rows (~1,900 tokens) of the 4-layer, 8,192-token-head drafter ~1.3 s: 900 steps are
-    # ~2 epochs in ~20 min. Loss: forward KL on the teacher's top-16 (the loss ablation's pick, README), on the
-    # prompt positions too: they cost no extra forward pass and, over the full 900 steps, lowered the final
+    # Sized so the five stages end within 90 min on 2 cores: the teacher's 3,232 continuations (~489k tokens) take
+    # ~47 min, and a step of 8 rows of the 4-layer, 8,192-token-head drafter ~1.3 s: 900 steps are ~2 epochs in
+    # ~22 min (73 min in all, README). Loss: forward KL on the teacher's top-16 (the loss ablation's pick, README),
+    # on the prompt positions too: they cost no extra forward pass and, over the full 900 steps, lowered the final
     # validation CE by ~0.25 nats (README, "loss on prompt positions"). lr 1.5e-3: final validation CE 2.30 against
     # 2.58 at 5e-4; 3e-3 trailed both at mid-run (README, "learning rate").
     return TrainConfig(steps=900, qat_steps=50, batch_size=8, max_seq_len=512, lr=1.5e-3, qat_lr=5e-5, warmup_steps=20,

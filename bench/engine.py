@@ -203,7 +203,8 @@ def main():
                                                              e["us_per_call"].items()) + " us)"
                                                     if "us_per_call" in e else "")
                               for s, e in eng.kernels.items())
-            print(f"kernels {mode} (load {load_s[mode]:.1f} s, cache {cache_file()}): {paths}")
+            print(f"kernels {mode} (load {load_s[mode]:.1f} s, cache {cache_file()}): {paths}; "
+                  f"cached steps {eng.step_plan}")
     print(f"\nk={k}, warm: +{args.accepted} accepted +1 bonus per request (median of {args.reps}, interleaved)")
     print(f"{'ctx':>5} {'system':>14} | {'latency':>10} {'tok/s':>7} | {'HF/this':>7} {'cold/this':>9}")
     for n in args.contexts:

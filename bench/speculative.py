@@ -2,7 +2,7 @@
 
     python bench/speculative.py [--model-dir model] [--prompts FILE] [--n 12] [--max-new-tokens 256]
                                 [--k 1 2 4 8 16] [--min-confidence 0.3 ...] [--dynamic-k 16 ...]
-                                [--targets hf native]
+                                [--targets hf hf-stock native]
                                 [--drafters engine http] [--engine-dtypes auto auto-approx] [--no-assisted]
                                 [--json OUT]
 
@@ -38,7 +38,10 @@ def make_parser() -> argparse.ArgumentParser:
                     help="dynamic draft length thresholds")
     ap.add_argument("--dynamic-k", type=int, nargs="+", default=[16],
                     help="the most tokens a dynamic draft may have (one row per cap and threshold)")
-    ap.add_argument("--targets", nargs="+", default=["hf", "native"], choices=["hf", "native"])
+    ap.add_argument("--targets", nargs="+", default=["hf", "native"], choices=["hf", "hf-stock", "native"],
+                    help="hf: transformers fp32 (sdpa keeping grouped K/V heads in the kernel, see HFTarget); "
+                         "hf-stock: the same with transformers' default repeat_kv copies; native: the hand-written "
+                         "decoder")
     ap.add_argument("--drafters", nargs="+", default=["engine", "http"], choices=["engine", "http"])
     ap.add_argument("--engine-dtypes", nargs="+", default=[None], metavar="DTYPE",
                     help="in-process engine weight modes compared side by side (default: the model dir's own)")
@@ -153,7 +156,8 @@ def main(argv=None) -> list[dict]:
     for dtype in args.engine_dtypes if "engine" in args.drafters else []:
         engine = DraftEngine.from_dir(args.model_dir, dtype=dtype)
         plan = ", ".join(f"{s}: {v['path']}" for s, v in (engine.kernels or {}).items())
-        print(f"engine weights: {engine.dtype}" + (f" ({plan})" if plan else ""))
+        print(f"engine weights: {engine.dtype}" + (f" ({plan})" if plan else "")
+              + (f"; cached steps {engine.step_plan}" if engine.step_plan else ""))
         name = "engine" if len(args.engine_dtypes) == 1 else f"engine {engine.dtype}"
         drafters.update({f"{name} k={k}": (engine, k) for k in args.k})
         drafters.update({f"{name} dyn>={c} k<={k}": (ConfidenceDrafter(engine, c), k)
@@ -168,6 +172,8 @@ def main(argv=None) -> list[dict]:
     targets = {}
     if "hf" in args.targets:
         targets["transformers fp32"] = HFTarget(hf)
+    if "hf-stock" in args.targets:
+        targets["transformers stock"] = HFTarget(hf, gqa_kernel=False)
     if "native" in args.targets:
         sd = {k: v.detach().float() for k, v in hf.state_dict().items()}
         targets["hand-written fp32"] = NativeTarget(Transformer.from_hf(hf.config.to_dict(), sd).float().eval())

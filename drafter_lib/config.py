@@ -114,7 +114,7 @@ class EvalConfig:
     max_new_tokens: int = 96
     k: int = 16  # draft tokens per target step
     e2e_prompts: int = 4  # prompts for real speculative decoding (lossless check, wall clock)
-    e2e_k: int | None = 4  # None: k
+    e2e_k: int | None = 2  # None: k. 2: the fastest draft length against the transformers target (README)
     group_by: str = "category"  # category | source
     # repo-relative prompt files (project format or question.jsonl) or "rag:SEED[:N]"
     heldout_files: list[str] = field(default_factory=lambda: list(DEFAULT_HELDOUT_FILES))

@@ -9,6 +9,7 @@
   "auto-approx" adds bf16 and int8 linears); "float16", "int8", "float32" force one (`weight_formats.hold_weights`).
   Below fp32 the embedding/lm_head are the pack's int8 rows, with an exact greedy argmax (`Int8Head`). A model dir
   may name its mode (config.json `draft_engine_dtype`): `from_dir` uses it unless given a dtype.
+- Short one-row steps (a loop's tail, each drafted token) run compiled where measured faster (`kernels.hold_step`).
 - The same request gets the same draft whatever the cache state and whatever else shares its batch: every token
   runs the same math whether it is part of a long prefill, a tail after a cached prefix, a row of a batched prefill
   or decode step (no path is chosen by the number of rows; see hold_weights and kernels.py), up to fp32 summation
@@ -41,7 +42,7 @@ import torch
 
 from .copy_policy import CopyPolicy
 from .io_utils import check_token_ids
-from .kernels import hold_measured
+from .kernels import hold_measured, hold_step
 from .model import KVCache, ModelConfig, Transformer
 from .prefix_cache import PrefixCache
 from .speculative import accepted_length
@@ -62,9 +63,8 @@ _BATCH_FEED = 32  # feeds up to this long share a batched prefill pass (a specul
 
 
 class Draft(list):
-    """The draft token ids (a plain list to compare and serialize) plus how the request used the prefix cache and,
-    when computed (a threshold was active or probs were asked for), each token's probability under the drafter
-    (None for a token the copy prior proposed)."""
+    """The draft token ids (a plain list) plus how the request used the prefix cache and, when computed (a threshold
+    or return_probs), each token's probability under the drafter (None for a token the copy prior proposed)."""
 
     def __init__(self, tokens: Sequence[int] = (), cached_prefix_len: int = 0, probs: list | None = None):
         super().__init__(tokens)
@@ -131,12 +131,11 @@ class DraftEngine:
         if not isinstance(model, Transformer):
             raise TypeError(f"DraftEngine needs a model.Transformer (or use from_dir), got {type(model).__name__}")
         self.dtype = check_engine_dtype(dtype)
-        self.kernels = None  # dtype "auto": the measured path per weight shape (kernels.hold_measured)
-        if dtype.startswith("auto"):
-            self.kernels = hold_measured(model.eval(), stored_rows, approximate=dtype == "auto-approx")
-            self.model = model
-        else:
-            self.model = hold_weights(model.eval(), DTYPES[dtype], stored_rows)
+        # dtype "auto*": the path measured fastest per weight shape (kernels.hold_measured), else a forced one
+        auto = dtype.startswith("auto")
+        self.kernels = hold_measured(model.eval(), stored_rows, approximate=dtype == "auto-approx") if auto else None
+        self.model = model if auto else hold_weights(model.eval(), DTYPES[dtype], stored_rows)
+        self.step_plan = hold_step(self.model, self.kernels or {"all": {"path": dtype}})
         self.config: ModelConfig = model.config
         self.vocab_size = self.config.vocab_size
         self.max_context = self.config.max_position_embeddings
@@ -214,7 +213,7 @@ class DraftEngine:
         return dict(config=self.config.to_dict(), hf_config=m.get("hf_config"), quantization=m.get("quantization"),
                     manifest_sha256=m.get("manifest_sha256"), path=m.get("path"),
                     copy_policy=self.copy_policy.to_dict(), dtype=self.dtype, kernels=self.kernels,
-                    vocab_size=self.vocab_size,
+                    cached_step=self.step_plan, vocab_size=self.vocab_size,
                     max_context=self.max_context, min_confidence=self.min_confidence,
                     weight_bytes=weight_bytes(self.model), kv_bytes_per_token=self.kv_bytes_per_token,
                     max_batch_tokens=self.max_batch_tokens, max_cache_tokens=self.max_cache_tokens,
@@ -372,7 +371,8 @@ class DraftEngine:
         if isinstance(head, Int8Head):
             # the exact argmax, its candidates pruned by the int8 logits that also give a probability when asked
             x = h.float()
-            approx, bound = head.approx_logits(x)  # all rows in one int8 GEMM
+            # one int8 GEMM for all rows; 3 parts give fp32-accurate probabilities, 2 suffice for the exact argmax
+            approx, bound = head.approx_logits(x, parts=3 if sel else 2)
             idx = head.exact_argmax(x, approx, bound)
             logits = approx[sel].float() if sel else None
         else:

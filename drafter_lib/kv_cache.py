@@ -48,6 +48,15 @@ class KVCache:
             vc[rows, :, positions] = v.transpose(1, 2).to(vc.dtype)
         return kc[:, :, :length], vc[:, :, :length]
 
+    def write(self, layer, k, v, positions):
+        """Write k/v [B,H,T,D] at `positions` [B,T] with one index_put (no Python int of a position: a compiled
+        step traces it once); return the whole buffers [B,H,capacity,D]."""
+        kc, vc = self.k[layer], self.v[layer]
+        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
+        kc[rows, :, positions] = k.transpose(1, 2).to(kc.dtype)
+        vc[rows, :, positions] = v.transpose(1, 2).to(vc.dtype)
+        return kc, vc
+
     def grow(self, capacity: int):
         """Enlarge capacity (keeps contents)."""
         if capacity <= self.capacity:

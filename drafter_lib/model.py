@@ -24,6 +24,7 @@ from .kv_cache import KVCache
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+COMPILED_MAX_T = 32  # cached steps up to this many tokens run `compiled_step` when set (longer prefills: causal)
 
 
 @dataclass
@@ -223,8 +224,9 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, positions, length)
+        if cache is not None:  # length None: a static-shape step (Transformer.cached_step) over all slots
+            k, v = (cache.write(self.layer_idx, k, v, positions) if length is None
+                    else cache.update(self.layer_idx, k, v, positions, length))
         causal = isinstance(mask, str)  # "causal": keys == queries from position 0, the kernel skips masked blocks
         y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=None if causal else mask,
                                            is_causal=causal, enable_gqa=self.nkv != self.nh)
@@ -331,6 +333,11 @@ class Transformer(nn.Module):
         x = x.to(act_dtype)
         cos, sin = m.rotary_emb(positions)
         cos, sin = cos.to(act_dtype), sin.to(act_dtype)
+        if cache is not None and self.compiled_step is not None and B == 1 and T <= COMPILED_MAX_T:
+            if int(positions.max()) >= cache.capacity:
+                raise ValueError(f"position {int(positions.max())} exceeds KV cache capacity {cache.capacity}")
+            x = self.compiled_step(x, cos, sin, positions, cache)
+            return x[:, -1:] if last_only else x
         length = 0
         if cache is None:
             mask = (positions.unsqueeze(1) <= positions.unsqueeze(2)).unsqueeze(1)  # [B,1,T,T]
@@ -352,6 +359,19 @@ class Transformer(nn.Module):
         return m.norm(x)
 
     upcast_act = True  # fp16/bf16 weights still run activations in fp32 (see Linear)
+    compiled_step = None  # a compiled `cached_step` that hidden() runs for short one-row cached steps (the engine's)
+
+    def cached_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                    cache: KVCache) -> torch.Tensor:
+        """The layers and final norm of a cached step over embedded inputs x [B,T,H] (hidden()'s math), written
+        so that no shape depends on the positions' values, for torch.compile (one graph serves every context
+        length and cache capacity): the new K/V are written at `positions` by an index_put, and each query attends
+        over the cache's whole capacity under the key_pos <= query_pos mask."""
+        key_pos = torch.arange(cache.capacity, device=x.device)
+        mask = (key_pos <= positions.unsqueeze(-1)).unsqueeze(1)  # [B,1,T,capacity]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, positions, mask, cache, None)
+        return self.model.norm(x)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

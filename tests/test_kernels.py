@@ -195,3 +195,53 @@ def test_model_dir_carries_its_engine_dtype(hf, cache_dir, monkeypatch, tmp_path
     (d / "config.json").write_text(json.dumps({**cfg, ENGINE_DTYPE_KEY: "fp8"}))
     with pytest.raises(ValueError, match=ENGINE_DTYPE_KEY):
         DraftEngine.from_dir(d, verify=False)
+
+
+def _compiler_or_skip(monkeypatch):
+    monkeypatch.setenv("SPECDRAFT_COMPILE", "1")
+    if not kernels.compile_wanted():
+        pytest.skip("no C++ compiler")
+
+
+def test_cached_step_compiled_where_measured_faster(cache_dir, monkeypatch):
+    """hold_step times the eager and the compiled one-token step once per machine and model, keeps the faster, and
+    reads the choice back later; the compiled engine drafts like the eager one and ignores batch and cache state."""
+    _compiler_or_skip(monkeypatch)
+    count_timings(monkeypatch, prefer="float32")
+    m = _sharp_model(1.0)
+    steps, real = [], kernels.time_step
+    monkeypatch.setattr(kernels, "time_step", lambda *a, **kw: steps.append(real(*a, **kw)) or steps[-1])
+    eng = make_engine(m, dtype="auto")
+    assert len(steps) == 1 and set(steps[0]) == {"eager", "compiled"}
+    assert all(math.isfinite(ms) and ms > 0 for ms in steps[0].values())
+    assert eng.info()["cached_step"] == eng.step_plan and eng.step_plan["ms_per_step"] == {
+        k: round(v, 3) for k, v in steps[0].items()}
+    assert (eng.model.compiled_step is not None) == (eng.step_plan["path"] == "compiled")
+
+    # as if this machine had measured the compiled step faster: the next load reads it and holds it, timing nothing
+    doc = json.loads((cache_dir / "kernels.json").read_text())
+    key = next(k for k in doc[kernels.machine_key()] if k.startswith("step "))
+    doc[kernels.machine_key()][key] = dict(path="compiled", ms_per_step=dict(eager=2.0, compiled=1.0))
+    (cache_dir / "kernels.json").write_text(json.dumps(doc))
+    compiled = make_engine(m, dtype="auto")
+    assert len(steps) == 1 and compiled.step_plan["path"] == "compiled" and compiled.model.compiled_step is not None
+    eager = make_engine(m, dtype="float32")
+    for s, n in enumerate((3, 17, 40)):
+        p = rand_tokens(n, 80 + s)
+        assert compiled.draft(p, 12) == eager.draft(p, 12)
+    check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype="auto"))
+
+
+def test_cached_step_stays_eager_where_compiling_fails(cache_dir, monkeypatch):
+    _compiler_or_skip(monkeypatch)
+    count_timings(monkeypatch, prefer="float32")
+
+    def broken(model):
+        raise RuntimeError("no inductor here")
+
+    monkeypatch.setattr(kernels, "_compile_step", broken)
+    with pytest.warns(UserWarning, match="stays eager"):
+        eng = make_engine(_sharp_model(1.0), dtype="auto")
+    assert eng.step_plan["path"] == "eager" and eng.model.compiled_step is None
+    monkeypatch.setenv("SPECDRAFT_COMPILE", "0")
+    assert make_engine(_sharp_model(1.0), dtype="auto").step_plan["path"] == "eager"

@@ -140,3 +140,30 @@ def test_kv_cache_grow_and_capacity_error():
         k_before = cache.k[0][:, :, :4].clone()
         cache.grow(8)
         assert cache.capacity == 8 and torch.equal(cache.k[0][:, :, :4], k_before)
+
+
+@torch.no_grad()
+def test_static_shape_cached_step_matches_hf(pair):
+    """`cached_step` (what the engine compiles): K/V written by index_put, every query over the cache's whole
+    capacity under the position mask. Through hidden() (compiled_step set, here to the eager method) it gives HF's
+    logits for one-token steps and several-token tails after a cached prefix, and leaves the cache as the dynamic
+    path leaves it."""
+    hf, ours = pair
+    from drafter_lib.model import COMPILED_MAX_T
+
+    n0 = COMPILED_MAX_T + 2  # a longer prefill stays on the dynamic (causal) path
+    ids = torch.randint(0, 97, (1, n0 + 20))
+    ref = hf(ids).logits
+    caches = {}
+    for static in (False, True):
+        ours.compiled_step = ours.cached_step if static else None
+        cache = caches[static] = ours.new_cache(1, n0 + 30)  # capacity beyond the sequence: masked slots
+        out = [ours(ids[:, :n0], torch.arange(n0)[None], cache)]
+        for s, e in ((0, 1), (1, 4), (4, 5), (5, 20)):
+            out.append(ours(ids[:, n0 + s:n0 + e], torch.arange(n0 + s, n0 + e)[None], cache))
+        assert (ref - torch.cat(out, 1)).abs().max() <= TOL
+        with pytest.raises(ValueError, match="capacity"):
+            ours(ids[:, :1], torch.tensor([[n0 + 30]]), cache)
+    del ours.compiled_step
+    for a, b in zip(caches[False].k + caches[False].v, caches[True].k + caches[True].v):
+        assert (a - b).abs().max() <= 1e-5

@@ -144,3 +144,31 @@ def test_rollback(targets):
         torch.testing.assert_close(again, fresh, rtol=1e-4, atol=1e-4)
         with pytest.raises(ValueError, match="roll back"):
             target.rollback(target.cached_len + 1)
+
+
+def test_hf_target_keeps_grouped_kv_heads_in_the_kernel(targets, monkeypatch):
+    """On CPU a verify step (several query tokens after a cache, so a mask) runs sdpa with the grouped K/V heads
+    as they are, not copied `num_key_value_groups` times; the logits are those of the stock path, and the switch is
+    set only around the target's own forward passes."""
+    import os
+
+    import transformers.integrations.sdpa_attention as sdpa
+
+    hf, _ = targets
+    assert hf.config.num_key_value_heads < hf.config.num_attention_heads  # the tiny model groups its heads
+    copies = []
+    real = sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda h, n: copies.append(n) or real(h, n))
+    monkeypatch.delenv("TRANSFORMERS_SDPA_FORCE_GQA", raising=False)
+    prompt = _prompts()[2]
+    logits = {}
+    for gqa in (True, False):
+        t = HFTarget(hf, gqa_kernel=gqa)
+        assert t.gqa_kernel is gqa
+        t.score(prompt, keep=1)
+        copies.clear()
+        logits[gqa] = t.score([3, 4, 5], keep=3)  # a 3-token verify step after the cached prompt
+        assert bool(copies) is not gqa
+        assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
+    assert HFTarget(hf).gqa_kernel  # the default on a CPU model

@@ -115,7 +115,7 @@ def main():
     ap.add_argument("--keep", default="even:8", help="layers of the teacher kept in the default drafter")
     ap.add_argument("--group-size", type=int, default=64)
     ap.add_argument("--modes", nargs="+", default=["auto", "float16", "int8"],
-                    choices=["auto", "auto-approx", "float16", "float32", "bfloat16", "int8"],
+                    choices=["auto", "auto-approx", "float16", "float32", "bfloat16", "int8", "int8w"],
                     help="engine weight modes compared side by side")
     ap.add_argument("--fresh-kernels", action="store_true", help="measure the auto paths again (temporary cache)")
     ap.add_argument("--k", type=int, default=16)

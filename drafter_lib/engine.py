@@ -52,7 +52,7 @@ __all__ = ["DraftEngine", "Draft", "DTYPES", "DEFAULT_DTYPE", "DEFAULT_MAX_CACHE
            "MIN_CONFIDENCE_KEY", "ENGINE_DTYPE_KEY", "check_engine_dtype"]
 
 DTYPES = {"auto": "auto", "auto-approx": "auto-approx", "float32": torch.float32, "float16": torch.float16,
-          "bfloat16": torch.bfloat16, "int8": "int8"}
+          "bfloat16": torch.bfloat16, "int8": "int8", "int8w": "int8w"}
 DEFAULT_DTYPE = "auto"  # how weights are held unless told otherwise (the server's ENGINE_DTYPE default)
 DEFAULT_MAX_CACHE_BYTES = 256 << 20  # a small machine: ~43k cached tokens of the shipped 4-layer drafter
 DEFAULT_MAX_BATCH_TOKENS = 4096  # in-flight KV slots per decode group (24 MiB for the shipped drafter)

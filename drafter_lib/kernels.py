@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from .io_utils import read_json, write_json
 from .model import Linear
-from .weight_formats import Int8DynLinear, Int8Head, hold_linear, hold_table_rows, linears
+from .weight_formats import Int8DynLinear, Int8Head, Int8WeightLinear, hold_linear, hold_table_rows, linears
 
 __all__ = ["PATHS", "APPROXIMATE", "candidate_paths", "time_paths", "choose_paths", "hold_measured", "machine_key",
            "cache_file", "cpu_model", "decode_read_bytes", "CompiledGemvLinear", "compile_works", "hold_step",
@@ -342,7 +342,7 @@ def decode_read_bytes(model: nn.Module) -> int:
     for mod in model.modules():
         if isinstance(mod, Int8Head):
             ts = [mod.q, mod.scale, mod.l1]
-        elif isinstance(mod, Int8DynLinear):
+        elif isinstance(mod, (Int8DynLinear, Int8WeightLinear)):  # int8w: what its compiled steps read
             ts = [mod.q, mod.scale]
         elif isinstance(mod, nn.Linear):
             ts = [mod.weight]

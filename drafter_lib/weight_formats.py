@@ -7,6 +7,7 @@
 - `Int8Embedding` / `Int8Head`: the embedding table and (tied) lm_head over those rows; the head's greedy
   `argmax` is exact for the held weights at int8 GEMV speed.
 - `Int8DynLinear`: int8 linears with activations quantized per token (approximate), the opt-in "int8" mode.
+- `Int8WeightLinear`: int8 weight rows with fp32 activations, the "int8w" mode (fast inside compiled steps).
 
 Whatever the format, a token's result never depends on how many other rows share the call: the engine computes
 the same request as a long prefill, a one-token tail after a cached prefix, or a row of a batched decode step,
@@ -23,8 +24,8 @@ import torch.nn.functional as F
 from . import quantization as Q
 from .model import Linear
 
-__all__ = ["Int8DynLinear", "Int8Embedding", "Int8Head", "int8_rows", "int8_exact", "read_int8_rows",
-           "hold_weights", "hold_table_rows", "hold_linear", "linears", "weight_bytes"]
+__all__ = ["Int8DynLinear", "Int8WeightLinear", "Int8Embedding", "Int8Head", "int8_rows", "int8_exact",
+           "read_int8_rows", "hold_weights", "hold_table_rows", "hold_linear", "linears", "weight_bytes"]
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -101,6 +102,34 @@ def int8_dyn_matmul(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kern
     sx = (x2.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-30)
     acc = _int_mm(torch.round(x2 / sx).to(torch.int8), q, kernel)
     return acc.float() * sx * scale
+
+
+class Int8WeightLinear(nn.Module):
+    """int8 weight rows + an fp32 scale per row, fp32 activations (weight-only int8, the engine's "int8w").
+
+    Unlike Int8DynLinear nothing rounds the activations, so a last-bit difference in a token's input (a cached tail
+    vs the same token in a long prefill: BLAS sums in another order) stays a last-bit difference instead of
+    flipping an int8 quantum; drafts keep the same-draft property as fp32 does. Inside a compiled step (the
+    engine's short one-row steps) the product is a reduction inductor fuses with the int8 -> fp32 conversion, so it
+    reads the int8 rows, a quarter of fp32's bytes; eagerly (long prefills, batches) it multiplies by the
+    dequantized weight held beside them (the same values, fp32).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        q, scale = int8_rows(weight)
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale[:, 0])
+        self.register_buffer("dequantized", q.float() * scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+
+    def forward(self, x):
+        x = x.float()
+        if torch.compiler.is_compiling():
+            y = (x.unsqueeze(-2) * self.q.float()).sum(-1) * self.scale
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.dequantized, self.bias)
 
 
 def _int_mm_works(q: torch.Tensor) -> bool:
@@ -208,7 +237,7 @@ def hold_weights(model, dtype, stored_rows: dict | None = None):
     and lm_head are held as int8 rows when that is exact (`hold_table_rows`). "int8" also turns the decoder
     linears into Int8DynLinear. (`kernels.hold_measured` chooses a format per weight shape instead.)
     """
-    if dtype != torch.float32 and not hold_table_rows(model, stored_rows, force=dtype == "int8"):
+    if dtype != torch.float32 and not hold_table_rows(model, stored_rows, force=dtype in ("int8", "int8w")):
         emb = model.model.embed_tokens
         emb.weight.data = emb.weight.data.to(dtype)  # a tied lm_head shares it
     for parent, name, mod in linears(model):
@@ -241,8 +270,8 @@ def linears(model) -> list[tuple[nn.Module, str, nn.Linear]]:
 def hold_linear(parent: nn.Module, name: str, mod: nn.Linear, dtype) -> nn.Module:
     """Hold one linear as `dtype` (a torch dtype: weight cast in place, shared with a tied embedding; "int8":
     Int8DynLinear); returns the module now at parent.name."""
-    if dtype == "int8":
-        setattr(parent, name, Int8DynLinear(mod.weight.data, mod.bias))
+    if dtype in ("int8", "int8w"):
+        setattr(parent, name, (Int8DynLinear if dtype == "int8" else Int8WeightLinear)(mod.weight.data, mod.bias))
         return getattr(parent, name)
     if mod.weight.dtype != dtype:  # a tied weight is one tensor: cast once
         mod.weight.data = mod.weight.data.to(dtype)

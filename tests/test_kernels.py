@@ -245,3 +245,47 @@ def test_cached_step_stays_eager_where_compiling_fails(cache_dir, monkeypatch):
     assert eng.step_plan["path"] == "eager" and eng.model.compiled_step is None
     monkeypatch.setenv("SPECDRAFT_COMPILE", "0")
     assert make_engine(_sharp_model(1.0), dtype="auto").step_plan["path"] == "eager"
+
+
+def test_int8w_holds_int8_rows_with_fp32_activations(cache_dir, monkeypatch):
+    """dtype "int8w": int8 weight rows times fp32 activations. Eagerly the product equals F.linear with the
+    dequantized rows; inside a compiled step it is the fused reduction over the int8 rows (the same values, another
+    summation order). Drafts equal an fp32 engine holding those dequantized weights and ignore batch and cache
+    state, compiled or not."""
+    from drafter_lib.weight_formats import Int8WeightLinear, int8_rows
+
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(40, 24, generator=g), torch.randn(40, generator=g), torch.randn(2, 5, 24, generator=g)
+    lin = Int8WeightLinear(w, b)
+    q, scale = int8_rows(w)
+    assert lin.q.dtype == torch.int8 and torch.equal(lin.dequantized, q.float() * scale)
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, q.float() * scale, b))
+    fused = (x.unsqueeze(-2) * lin.q.float()).sum(-1) * lin.scale + b  # what a compiled step computes
+    torch.testing.assert_close(fused, lin(x), rtol=1e-5, atol=1e-5)
+
+    m = _sharp_model(1.0)
+    eng = make_engine(m, dtype="int8w")
+    assert all(isinstance(getattr(layer.mlp, n), Int8WeightLinear)
+               for layer in eng.model.model.layers for n in ("gate_proj", "up_proj", "down_proj"))
+    lin_bytes = sum(mod.q.numel() + 4 * mod.scale.numel() for mod in eng.model.modules()
+                    if isinstance(mod, Int8WeightLinear))
+    assert kernels.decode_read_bytes(eng.model) == lin_bytes + kernels.decode_read_bytes(eng.model.lm_head)
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    for k, v in sd.items():  # every matrix as its int8 rows (the tied embedding and head too)
+        if v.dim() == 2:
+            qk, sk = int8_rows(v)
+            sd[k] = qk.float() * sk
+    ref = DraftEngine.from_state_dict(m.config.to_dict(), sd, dtype="float32")
+    for s, n in enumerate((3, 17, 40)):
+        p = rand_tokens(n, 90 + s)
+        assert eng.draft(p, 12) == ref.draft(p, 12)
+    check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype="int8w"))
+
+    _compiler_or_skip(monkeypatch)
+    monkeypatch.setattr(kernels, "time_step", lambda *a, **kw: {"eager": 2.0, "compiled": 1.0})
+    compiled = make_engine(m, dtype="int8w")
+    assert compiled.step_plan["path"] == "compiled" and compiled.model.compiled_step is not None
+    for s, n in enumerate((3, 17, 40)):
+        p = rand_tokens(n, 90 + s)
+        assert compiled.draft(p, 12) == ref.draft(p, 12)
+    check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype="int8w"))

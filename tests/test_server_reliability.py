@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -294,3 +295,37 @@ def test_micro_batcher_queue_bound_timeout_and_stop():
         assert json.dumps(b.stats)
 
     asyncio.run(main())
+
+
+def test_shipped_model_drafts_ignore_batch_and_cache_state_under_8_clients(tmp_path):
+    """The shipped model/ behind serve.sh, with its own engine dtype: 8 concurrent clients each run a speculative
+    loop (its request grows by 2 draft tokens and a bonus token per round). Every draft equals the same request sent
+    alone afterwards in reverse order (another cache state: a longer cached entry to branch from, no batch) and sent
+    to a second server that caches nothing (every request cold)."""
+    model_dir = Path(__file__).resolve().parents[1] / "model"
+    if not (model_dir / "config.json").is_file():
+        pytest.skip("no shipped model/")
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    rng = random.Random(11)
+    loops = [[rng.randrange(vocab) for _ in range(rng.randrange(30, 150))] for _ in range(8)]
+    served = []
+    with ServerProcess(model_dir, tmp_path / "server.log") as srv:
+        async def rounds():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                for _ in range(6):
+                    res = await asyncio.gather(*[c.post("/draft", json={"tokens": t, "num_draft_tokens": 16})
+                                                 for t in loops])
+                    for t, r in zip(loops, res):
+                        assert r.status_code == 200, r.text
+                        served.append((list(t), r.json()["draft"]))
+                        t += r.json()["draft"][:2] + [rng.randrange(vocab)]
+
+        asyncio.run(rounds())
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            for t, draft in reversed(served):
+                assert c.post("/draft", json={"tokens": t, "num_draft_tokens": 16}).json()["draft"] == draft
+    with ServerProcess(model_dir, tmp_path / "cold.log", MAX_CACHE_MB=0.01) as cold, \
+            httpx.Client(base_url=cold.url, timeout=60) as c:
+        for t, draft in served:
+            body = c.post("/draft", json={"tokens": t, "num_draft_tokens": 16}).json()
+            assert body["cached_prefix_len"] == 0 and body["draft"] == draft

@@ -9,7 +9,7 @@
   "auto-approx" adds bf16 and int8 linears); "float16", "int8", "float32" force one (`weight_formats.hold_weights`).
   Below fp32 the embedding/lm_head are the pack's int8 rows, with an exact greedy argmax (`Int8Head`). A model dir
   may name its mode (config.json `draft_engine_dtype`): `from_dir` uses it unless given a dtype.
-- Short one-row steps (a loop's tail, each drafted token) run compiled where measured faster (`kernels.hold_step`).
+- Short steps (a loop's tail, each drafted token; batched too) run compiled where faster (`kernels.hold_step`).
 - The same request gets the same draft whatever the cache state and whatever else shares its batch: every token
   runs the same math whether it is part of a long prefill, a tail after a cached prefix, a row of a batched prefill
   or decode step (no path is chosen by the number of rows; see hold_weights and kernels.py), up to fp32 summation

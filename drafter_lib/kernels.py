@@ -18,11 +18,11 @@ Paths (`PATHS`):
 - "bfloat16" (bf16 weight upcast per call) and "int8" (`Int8DynLinear`, int8 activations per token) are
   approximate: candidates only with dtype="auto-approx".
 
-The cached step (`hold_step`): a draft's short one-row steps (a request's few-token tail, then one token per
-drafted token) cost more in per-op dispatch than in arithmetic at this size (a 4-layer drafter's step is ~300 small
-ops), so the engine also times, once per machine and model, its eager layers against the same layers compiled whole
-by inductor (`Transformer.cached_step`, static shapes: one graph for every context length) and keeps the faster;
-here 2.2 ms -> 1.3 ms a step. Longer prefills and batched rows stay eager.
+The cached step (`hold_step`): a draft's short steps (a request's few-token tail, then one token per drafted token,
+alone or as rows of a batch) cost more in per-op dispatch than in arithmetic at this size (a 4-layer drafter's step
+is ~300 small ops), so the engine also times, once per machine and model, its eager layers against the same layers
+compiled whole by inductor (`Transformer.cached_step`, static shapes: one graph for every context length) and keeps
+the faster; here 2.2 ms -> 1.3 ms a one-row step. Longer prefills stay eager.
 
 Exact enough, and deterministic: every default path multiplies fp32 activations by weights fixed at load and sums
 in fp32; the weights are the loaded fp32 values or their fp16 rounding (2**-11 relative, the precision the engine
@@ -258,13 +258,15 @@ def _compile_step(model):
 
 @torch.inference_mode()
 def _warm_step(model, step, context: int = 8) -> torch.Generator:
-    """Set `step` on the model and trace it (both graphs: one token, several tokens) on a throwaway cache."""
+    """Set `step` on the model and trace its four graphs (one row or several, one token or several) on throwaway
+    caches, with positions laid out as the engine's (contiguous: another stride would trace again at run time)."""
     g = torch.Generator().manual_seed(0)
     model.compiled_step = step
-    cache = model.new_cache(1, context + 3)
-    for t in (1, 2):
-        model.hidden(torch.randint(0, model.config.vocab_size, (1, t), generator=g),
-                     torch.arange(context, context + t)[None], cache)
+    for b in (1, 2):
+        cache = model.new_cache(b, context + 3)
+        for t in (1, 2):
+            model.hidden(torch.randint(0, model.config.vocab_size, (b, t), generator=g),
+                         torch.arange(context, context + t).repeat(b, 1), cache)
     return g
 
 
@@ -301,12 +303,12 @@ def _step_key(model, plan: dict) -> str:
 
 
 def hold_step(model, plan: dict) -> dict:
-    """Run the model's short one-row cached steps (the speculative loop's: a request's few-token tail, then one
-    token per drafted token) through an inductor-compiled `cached_step` where that is measured faster than the
-    eager layers (whose many small ops each cost a dispatch), else leave them eager. The choice is cached like the
-    weight paths (under this machine key, the model's shape and its weight plan); a compiled choice is traced at
-    load (seconds; inductor's own disk cache makes later loads quicker). Any compiler failure leaves the step
-    eager, with a warning. Returns {"path": "compiled" | "eager", "ms_per_step": {...}}."""
+    """Run the model's short cached steps (the speculative loop's: a request's few-token tail, then one token per
+    drafted token; a batch's rows alike) through an inductor-compiled `cached_step` where that is measured faster
+    than the eager layers (whose many small ops each cost a dispatch), else leave them eager. The choice is cached
+    like the weight paths (under this machine key, the model's shape and its weight plan); a compiled choice is
+    traced at load (its four graphs; seconds, and inductor's own disk cache makes later loads quicker). Any compiler
+    failure leaves the step eager, with a warning. Returns {"path": "compiled" | "eager", "ms_per_step": {...}}."""
     if not compile_wanted():
         return dict(path="eager", reason="SPECDRAFT_COMPILE=0 or no C++ compiler")
     path = cache_file()

@@ -24,7 +24,7 @@ from .kv_cache import KVCache
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-COMPILED_MAX_T = 32  # cached steps up to this many tokens run `compiled_step` when set (longer prefills: causal)
+COMPILED_MAX_T = 32  # cached steps of up to this many tokens a row run `compiled_step` when set (longer: causal)
 
 
 @dataclass
@@ -333,7 +333,7 @@ class Transformer(nn.Module):
         x = x.to(act_dtype)
         cos, sin = m.rotary_emb(positions)
         cos, sin = cos.to(act_dtype), sin.to(act_dtype)
-        if cache is not None and self.compiled_step is not None and B == 1 and T <= COMPILED_MAX_T:
+        if cache is not None and self.compiled_step is not None and T <= COMPILED_MAX_T:
             if int(positions.max()) >= cache.capacity:
                 raise ValueError(f"position {int(positions.max())} exceeds KV cache capacity {cache.capacity}")
             x = self.compiled_step(x, cos, sin, positions, cache)
@@ -359,7 +359,7 @@ class Transformer(nn.Module):
         return m.norm(x)
 
     upcast_act = True  # fp16/bf16 weights still run activations in fp32 (see Linear)
-    compiled_step = None  # a compiled `cached_step` that hidden() runs for short one-row cached steps (the engine's)
+    compiled_step = None  # a compiled `cached_step` that hidden() runs for short cached steps (the engine's)
 
     def cached_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                     cache: KVCache) -> torch.Tensor:

@@ -167,3 +167,29 @@ def test_static_shape_cached_step_matches_hf(pair):
     del ours.compiled_step
     for a, b in zip(caches[False].k + caches[False].v, caches[True].k + caches[True].v):
         assert (a - b).abs().max() <= 1e-5
+
+
+@torch.no_grad()
+def test_static_shape_cached_step_serves_a_ragged_batch(pair):
+    """Rows at different positions in one cached step (a batched decode, a padded batched prefill): through
+    `cached_step` each row equals the same row stepped alone."""
+    _, ours = pair
+    a, b = torch.randint(0, 97, (1, 17)), torch.randint(0, 97, (1, 9))
+    nxt = torch.randint(0, 97, (2, 3))
+    alone = []
+    for seq, new in ((a, nxt[0:1]), (b, nxt[1:2])):
+        c1 = ours.new_cache(1, 40)
+        ours(seq, torch.arange(seq.shape[1])[None], c1)
+        alone.append(ours(new, torch.arange(seq.shape[1], seq.shape[1] + 3)[None], c1))
+    ours.compiled_step = ours.cached_step
+    try:
+        cache = ours.new_cache(2, 40)
+        for row, seq in enumerate((a, b)):
+            c1 = ours.new_cache(1, 40)
+            ours(seq, torch.arange(seq.shape[1])[None], c1)
+            cache.set_row(row, c1.get_row(0, seq.shape[1]))
+        together = ours(nxt, torch.tensor([[17, 18, 19], [9, 10, 11]]), cache)
+    finally:
+        del ours.compiled_step
+    for row in range(2):
+        assert (alone[row][0] - together[row]).abs().max() <= TOL

@@ -12,8 +12,8 @@
 - Short steps (a loop's tail, each drafted token; batched too) run compiled where faster (`kernels.hold_step`).
 - The same request gets the same draft whatever the cache state and whatever else shares its batch: every token
   runs the same math whether it is part of a long prefill, a tail after a cached prefix, a row of a batched prefill
-  or decode step (no path is chosen by the number of rows; see hold_weights and kernels.py), up to fp32 summation
-  order.
+  or decode step (no weight format is chosen by the number of rows; compiled vs eager steps, by a feed's length,
+  differ in fp32 summation order only), up to fp32 summation order, which int8 activations can amplify (README).
 - Dynamic draft length: with a threshold c > 0 (`min_confidence` per request, else the model dir's
   `draft_min_confidence`; 0 = off) the draft stops before the first model-drafted token whose probability under
   the drafter (fp32 softmax over the head's logits; an Int8Head's from `approx_logits`) is below c. Tokens the copy

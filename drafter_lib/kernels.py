@@ -218,11 +218,15 @@ def choose_paths(shapes: dict[tuple[int, int], list[torch.Tensor]], approximate:
             changed = True
         plan[f"{n}x{k}"] = hit
     if changed:
-        try:
-            write_json(path, doc)
-        except OSError as e:
-            warnings.warn(f"could not write the kernel cache {path}: {e}", stacklevel=3)
+        _write_cache(path, doc)
     return plan
+
+
+def _write_cache(path: Path, doc: dict):
+    try:
+        write_json(path, doc)
+    except OSError as e:
+        warnings.warn(f"could not write the kernel cache {path}: {e}", stacklevel=3)
 
 
 def hold_measured(model, stored_rows: dict | None = None, approximate: bool = False) -> dict[str, dict]:
@@ -316,11 +320,13 @@ def hold_step(model, plan: dict) -> dict:
     entry = doc.setdefault(machine_key(), {})
     key = _step_key(model, plan)
     hit = entry.get(key)
+    cached = isinstance(hit, dict) and hit.get("path") in ("compiled", "eager")
+    if cached and hit["path"] == "eager":
+        return hit
     try:
         step = _compile_step(model)
-        if isinstance(hit, dict) and hit.get("path") in ("compiled", "eager"):
-            if hit["path"] == "compiled":
-                _warm_step(model, step)
+        if cached:
+            _warm_step(model, step)
             return hit
         ms = {name: round(t, 3) for name, t in time_step(model, step).items()}
     except Exception as e:  # noqa: BLE001 - any compiler failure keeps the eager step
@@ -330,10 +336,7 @@ def hold_step(model, plan: dict) -> dict:
     hit = entry[key] = dict(path="compiled" if ms["compiled"] < (1 - MIN_GAIN) * ms["eager"] else "eager",
                             ms_per_step=ms)
     model.compiled_step = step if hit["path"] == "compiled" else None
-    try:
-        write_json(path, doc)
-    except OSError as e:
-        warnings.warn(f"could not write the kernel cache {path}: {e}", stacklevel=2)
+    _write_cache(path, doc)
     return hit
 
 

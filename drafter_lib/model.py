@@ -333,18 +333,17 @@ class Transformer(nn.Module):
         x = x.to(act_dtype)
         cos, sin = m.rotary_emb(positions)
         cos, sin = cos.to(act_dtype), sin.to(act_dtype)
-        if cache is not None and self.compiled_step is not None and T <= COMPILED_MAX_T:
-            if int(positions.max()) >= cache.capacity:
-                raise ValueError(f"position {int(positions.max())} exceeds KV cache capacity {cache.capacity}")
-            x = self.compiled_step(x, cos, sin, positions, cache)
-            return x[:, -1:] if last_only else x
         length = 0
-        if cache is None:
-            mask = (positions.unsqueeze(1) <= positions.unsqueeze(2)).unsqueeze(1)  # [B,1,T,T]
-        else:
+        if cache is not None:
             length = int(positions.max()) + 1
             if length > cache.capacity:
                 raise ValueError(f"position {length - 1} exceeds KV cache capacity {cache.capacity}")
+            if self.compiled_step is not None and T <= COMPILED_MAX_T:
+                x = self.compiled_step(x, cos, sin, positions, cache)
+                return x[:, -1:] if last_only else x
+        if cache is None:
+            mask = (positions.unsqueeze(1) <= positions.unsqueeze(2)).unsqueeze(1)  # [B,1,T,T]
+        else:
             if B == 1 and T == 1:  # one-token decode: every slot < length is a valid key, no mask needed
                 mask = None
             elif B == 1 and length == T and int(positions[0, 0]) == 0 and int(positions[0, -1]) == T - 1:

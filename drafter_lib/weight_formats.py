@@ -90,18 +90,13 @@ class Int8DynLinear(nn.Module):
         self._int_mm = _int_mm_works(q)
 
     def forward(self, x):
-        y = int8_dyn_matmul(x.float().reshape(-1, x.shape[-1]), self.q, self.scale, self._int_mm)
+        x2 = x.float().reshape(-1, x.shape[-1])
+        sx = (x2.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-30)
+        acc = _int_mm(torch.round(x2 / sx).to(torch.int8), self.q, self._int_mm)
+        y = acc.float() * sx * self.scale
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
-
-
-def int8_dyn_matmul(x2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, kernel: bool) -> torch.Tensor:
-    """Int8DynLinear's product: fp32 rows x2 [M,K] quantized per row to int8, times int8 rows q [N,K] with their
-    fp32 scales [N] -> fp32 [M,N]."""
-    sx = (x2.abs().amax(-1, keepdim=True) / 127).clamp_min(1e-30)
-    acc = _int_mm(torch.round(x2 / sx).to(torch.int8), q, kernel)
-    return acc.float() * sx * scale
 
 
 class Int8WeightLinear(nn.Module):
@@ -110,9 +105,9 @@ class Int8WeightLinear(nn.Module):
     Unlike Int8DynLinear nothing rounds the activations, so a last-bit difference in a token's input (a cached tail
     vs the same token in a long prefill: BLAS sums in another order) stays a last-bit difference instead of
     flipping an int8 quantum; drafts keep the same-draft property as fp32 does. Inside a compiled step (the
-    engine's short one-row steps) the product is a reduction inductor fuses with the int8 -> fp32 conversion, so it
-    reads the int8 rows, a quarter of fp32's bytes; eagerly (long prefills, batches) it multiplies by the
-    dequantized weight held beside them (the same values, fp32).
+    engine's short steps, alone or batched) the product is a reduction inductor fuses with the int8 -> fp32
+    conversion, so it reads the int8 rows, a quarter of fp32's bytes; eagerly (long prefills, or where the steps
+    stay eager) it multiplies by the dequantized weight held beside them (the same values, fp32).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):

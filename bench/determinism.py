@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter_lib import hf_models, teacher  # noqa: E402
+from drafter_lib import hf_models  # noqa: E402
 from drafter_lib.engine import DraftEngine  # noqa: E402
 from drafter_lib.evaluate import encode_records, greedy_references, load_eval_prompts  # noqa: E402
 from drafter_lib.kernels import cpu_model  # noqa: E402

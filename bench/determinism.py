@@ -38,7 +38,8 @@ def loop_requests(prompt: list[int], reference: list[int], tokens: int, step: in
 
 def compare(engine: DraftEngine, loops: list[list[list[int]]], k: int = 16) -> dict:
     """Drafts of every request warm / cold / batched; counts of those that differ from cold."""
-    n = warm_diff = batch_diff = 0
+    n = 0
+    differ = {"warm": 0, "batch": 0}
     first_diff: list[int] = []  # draft index of the first differing token, per differing draft
     for i, requests in enumerate(loops):
         engine.clear_cache()
@@ -49,13 +50,13 @@ def compare(engine: DraftEngine, loops: list[list[list[int]]], k: int = 16) -> d
             cold = engine.draft(r, k)
             engine.clear_cache()
             batched = engine.draft_batch([r, other[min(j, len(other) - 1)]], k)[0]
-            for d in (warm[j], batched):
-                if list(d) != list(cold):
-                    first_diff.append(next(t for t, (a, b) in enumerate(zip(d, cold)) if a != b))
             n += 1
-            warm_diff += list(warm[j]) != list(cold)
-            batch_diff += list(batched) != list(cold)
-    return dict(requests=n, warm_differ=warm_diff, batch_differ=batch_diff,
+            for kind, d in (("warm", warm[j]), ("batch", batched)):
+                if d != cold:  # Draft is a list: compared token by token
+                    differ[kind] += 1
+                    first_diff.append(next((t for t, (a, b) in enumerate(zip(d, cold)) if a != b),
+                                           min(len(d), len(cold))))
+    return dict(requests=n, warm_differ=differ["warm"], batch_differ=differ["batch"],
                 first_diff_index=min(first_diff) if first_diff else None)
 
 

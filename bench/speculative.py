@@ -9,7 +9,10 @@
 Targets: the default teacher (SmolLM2-135M-Instruct) as a transformers fp32 model and as the hand-written decoder.
 Drafters: the packed drafter in process (`DraftEngine`), and over HTTP through `serve.sh` on 127.0.0.1. Every row
 is checked lossless (its tokens equal the target's plain greedy tokens) and says where the time went (draft vs
-verify). transformers' own assisted generation (`generate(assistant_model=...)`) runs with the drafter exported by
+verify). Rows run interleaved, prompt by prompt, so the machine's drift weighs on all of them alike. Before
+them, each target's step cost by token count is printed (v_n: what a verify step of n tokens costs in
+one-token steps), which decides the draft length that pays on the machine at hand.
+transformers' own assisted generation (`generate(assistant_model=...)`) runs with the drafter exported by
 `drafter_lib.export`. Prompts: the run's held-out file when given or present, else held-out prompts of the
 embedded synthetic families and ../shared/data (by the study's id-hash split), spread over categories.
 """
@@ -57,6 +60,7 @@ if "http" in make_parser().parse_known_args()[0].drafters:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
@@ -107,14 +111,48 @@ class ConfidenceDrafter:
         return self.engine.draft(tokens, k, min_confidence=self.threshold)
 
 
-def run_rows(target, prompts, max_new, stop, drafter, k) -> dict:
-    tokens, secs, dsecs, steps, outs = 0, 0.0, 0.0, 0, []
-    for p in prompts:
-        r = speculative_generate(target, p, max_new, drafter, k=k, stop_ids=stop)
-        tokens, secs, dsecs, steps = tokens + len(r.tokens), secs + r.seconds, dsecs + r.draft_seconds, steps + r.steps
-        outs.append(r.tokens)
-    return {"tokens": tokens, "seconds": secs, "draft_s": dsecs, "verify_s": secs - dsecs, "steps": steps,
-            "tok_s": tokens / secs, "mal": tokens / steps, "outputs": outs}
+def run_interleaved(target, prompts, max_new, stop, configs: dict) -> dict:
+    """Every config (name -> (drafter or None for plain greedy, k)) on every prompt, prompt by prompt and in a
+    rotating order, so that a drift of the machine's speed during the run weighs on every row alike: the ratios
+    are side by side per prompt, not one row's minutes against another's."""
+    rows = {name: {"tokens": 0, "seconds": 0.0, "draft_s": 0.0, "steps": 0, "outputs": []} for name in configs}
+    names = list(configs)
+    for i, p in enumerate(tqdm(prompts, desc="prompts", leave=False)):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            drafter, k = configs[name]
+            # each row drafts this prompt from a cold cache, not from the prefixes an earlier row left behind
+            clear = getattr(getattr(drafter, "engine", drafter), "clear_cache", None)
+            if clear is not None:
+                clear()
+            r = speculative_generate(target, p, max_new, drafter, k=k, stop_ids=stop)
+            row = rows[name]
+            row["tokens"] += len(r.tokens)
+            row["seconds"] += r.seconds
+            row["draft_s"] += r.draft_seconds
+            row["steps"] += r.steps
+            row["outputs"].append(r.tokens)
+    for row in rows.values():
+        row.update(verify_s=row["seconds"] - row["draft_s"], tok_s=row["tokens"] / row["seconds"],
+                   mal=row["tokens"] / row["steps"])
+    return rows
+
+
+def verify_costs(target, context: list[int], sizes=(1, 2, 3, 5, 9, 17), reps: int = 9) -> dict[int, float]:
+    """v_n: the median time of one target step of n new tokens after `context`, over the time of a one-token step.
+    It decides which draft length pays on this machine (expected speedup MAL_k / (v_(k+1) + k c))."""
+    target.reset()
+    target.score(context)
+    ms = {}
+    for n in sizes:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            target.score(context[:n])
+            times.append(time.perf_counter() - t0)
+            target.rollback(len(context))
+        ms[n] = sorted(times)[reps // 2]
+    target.reset()
+    return {n: t / ms[sizes[0]] for n, t in ms.items()}
 
 
 def assisted_rows(hf, assistant, prompts, max_new, stop) -> tuple[dict, dict]:
@@ -184,14 +222,19 @@ def main(argv=None) -> list[dict]:
     print(header)
     try:
         for tname, target in targets.items():
-            plain = run_rows(target, prompts, args.max_new_tokens, stop, None, 0)
-            mine = [{"target": tname, "drafter": "plain greedy", **plain, "speedup": 1.0, "lossless": True}]
-            print_row(mine[0])
-            for dname, (drafter, k) in drafters.items():
-                r = run_rows(target, prompts, args.max_new_tokens, stop, drafter, k)
-                mine.append({"target": tname, "drafter": dname, **r, "speedup": r["tok_s"] / plain["tok_s"],
-                             "lossless": r["outputs"] == plain["outputs"]})
-                print_row(mine[-1])
+            ctx = max(prompts, key=len)
+            costs = verify_costs(target, ctx)
+            print(f"{tname}: a step of n tokens after {len(ctx)} of context costs "
+                  + ", ".join(f"n={n}: {v:.2f}" for n, v in costs.items()) + " one-token steps", flush=True)
+            res = run_interleaved(target, prompts, args.max_new_tokens, stop,
+                                  {"plain greedy": (None, 0), **drafters})
+            plain = res.pop("plain greedy")
+            mine = [{"target": tname, "drafter": "plain greedy", **plain, "speedup": 1.0, "lossless": True,
+                     "step_cost_by_tokens": costs}]
+            mine += [{"target": tname, "drafter": dname, **r, "speedup": r["tok_s"] / plain["tok_s"],
+                      "lossless": r["outputs"] == plain["outputs"]} for dname, r in res.items()]
+            for r in mine:
+                print_row(r)
             rows += mine
             # the pack's default draft length: the fastest lossless setting on this target (pack.min_confidence)
             best = max((r for r in mine[1:] if r["lossless"]), key=lambda r: r["speedup"], default=None)

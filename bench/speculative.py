@@ -10,8 +10,8 @@ Targets: the default teacher (SmolLM2-135M-Instruct) as a transformers fp32 mode
 Drafters: the packed drafter in process (`DraftEngine`), and over HTTP through `serve.sh` on 127.0.0.1. Every row
 is checked lossless (its tokens equal the target's plain greedy tokens) and says where the time went (draft vs
 verify). Rows run interleaved, prompt by prompt, so the machine's drift weighs on all of them alike. Before
-them, each target's step cost by token count is printed (v_n: what a verify step of n tokens costs in
-one-token steps), which decides the draft length that pays on the machine at hand.
+them, `speedup.measure_cost` prints each target's v_k (a verify step of k + 1 tokens in one-token steps) and the
+drafter's c, which decide the draft length that pays on the machine at hand.
 transformers' own assisted generation (`generate(assistant_model=...)`) runs with the drafter exported by
 `drafter_lib.export`. Prompts: the run's held-out file when given or present, else held-out prompts of the
 embedded synthetic families and ../shared/data (by the study's id-hash split), spread over categories.
@@ -73,6 +73,7 @@ from drafter_lib.kernels import cpu_model  # noqa: E402
 from drafter_lib.layout import SHARED_DATA_DEFAULT, RunLayout  # noqa: E402
 from drafter_lib.model import Transformer  # noqa: E402
 from drafter_lib.speculative import HFTarget, NativeTarget, speculative_generate  # noqa: E402
+from drafter_lib.speedup import measure_cost  # noqa: E402
 
 
 def heldout_prompts(path: str | None, n: int) -> list[dict]:
@@ -137,24 +138,6 @@ def run_interleaved(target, prompts, max_new, stop, configs: dict) -> dict:
     return rows
 
 
-def verify_costs(target, context: list[int], sizes=(1, 2, 3, 5, 9, 17), reps: int = 9) -> dict[int, float]:
-    """v_n: the median time of one target step of n new tokens after `context`, over the time of a one-token step.
-    It decides which draft length pays on this machine (expected speedup MAL_k / (v_(k+1) + k c))."""
-    target.reset()
-    target.score(context)
-    ms = {}
-    for n in sizes:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            target.score(context[:n])
-            times.append(time.perf_counter() - t0)
-            target.rollback(len(context))
-        ms[n] = sorted(times)[reps // 2]
-    target.reset()
-    return {n: t / ms[sizes[0]] for n, t in ms.items()}
-
-
 def assisted_rows(hf, assistant, prompts, max_new, stop) -> tuple[dict, dict]:
     def gen(**kw):
         tokens, secs, outs = 0, 0.0, []
@@ -190,9 +173,10 @@ def main(argv=None) -> list[dict]:
     print(f"{len(prompts)} prompts over {len(cats)} categories ({', '.join(cats)}), max {args.max_new_tokens} new "
           f"tokens, drafter {args.model_dir}")
 
-    drafters = {}
+    drafters, engines = {}, []
     for dtype in args.engine_dtypes if "engine" in args.drafters else []:
         engine = DraftEngine.from_dir(args.model_dir, dtype=dtype)
+        engines.append(engine)
         plan = ", ".join(f"{s}: {v['path']}" for s, v in (engine.kernels or {}).items())
         print(f"engine weights: {engine.dtype}" + (f" ({plan})" if plan else "")
               + (f"; cached steps {engine.step_plan}" if engine.step_plan else ""))
@@ -222,15 +206,17 @@ def main(argv=None) -> list[dict]:
     print(header)
     try:
         for tname, target in targets.items():
-            ctx = max(prompts, key=len)
-            costs = verify_costs(target, ctx)
-            print(f"{tname}: a step of n tokens after {len(ctx)} of context costs "
-                  + ", ".join(f"n={n}: {v:.2f}" for n, v in costs.items()) + " one-token steps", flush=True)
+            costs = measure_cost(engines[0], target, ks=(1, 2, 4, 8, 16)) if engines else None
+            if costs:
+                print(f"{tname}: a verify step of k drafted + 1 tokens costs "
+                      + ", ".join(f"k={k}: {v:.2f}" for k, v in costs["v_at_k"].items())
+                      + f" one-token steps; a drafted token c = {costs['c']:.3f} (at {costs['context']} tokens of "
+                      "context)", flush=True)
             res = run_interleaved(target, prompts, args.max_new_tokens, stop,
                                   {"plain greedy": (None, 0), **drafters})
             plain = res.pop("plain greedy")
             mine = [{"target": tname, "drafter": "plain greedy", **plain, "speedup": 1.0, "lossless": True,
-                     "step_cost_by_tokens": costs}]
+                     "costs": costs}]
             mine += [{"target": tname, "drafter": dname, **r, "speedup": r["tok_s"] / plain["tok_s"],
                       "lossless": r["outputs"] == plain["outputs"]} for dname, r in res.items()]
             for r in mine:

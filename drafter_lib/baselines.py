@@ -64,7 +64,10 @@ def standard_baselines(model_dir: str | Path | None = None, base: tuple[dict, di
                        fp: tuple[dict, dict] | None = None, ngram: bool = True, copy_prior: bool = True,
                        **engine_kw) -> dict:
     """The baselines table's drafters, in order: untrained pruned base, fp distilled, packed, n-gram lookup alone,
-    packed + copy prior. `base` / `fp` are (hf_config, state_dict); each drafter is included when its input is."""
+    packed + copy prior. `base` / `fp` are (hf_config, state_dict); each drafter is included when its input is.
+    Engines draft a fixed k (min_confidence 0) unless told otherwise: acceptance at k is the table's statistic, and
+    the pack's dynamic threshold would cut drafts short."""
+    engine_kw.setdefault("min_confidence", 0.0)
     out: dict = OrderedDict()
     if base is not None:
         out["pruned base (untrained)"] = engine_from_state_dict(*base, copy_policy=None, **engine_kw)

@@ -25,7 +25,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .acceptance import pool_by_origin, simulate
-from .baselines import load_hf_checkpoint, standard_baselines
+from .baselines import engine_from_dir, load_hf_checkpoint, standard_baselines
 from .heldout import conversation_items, load_heldout_sets, round_robin, with_answers
 from .io_utils import read_jsonl, write_json, write_jsonl
 from .speculative import as_target, mean_acceptance_length, speculative_generate
@@ -258,12 +258,14 @@ def _fitting(tokenizer, items: list[dict], budget: int | None, max_new_tokens: i
 def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *, k: int = 16,
                    max_new_tokens: int = 128, group_by: str = "category", primary: str | None = None,
                    e2e_prompts: int = 4, e2e_k: int | None = None, e2e_max_new_tokens: int | None = None,
+                   e2e_drafter=None,
                    batch_size: int = 16, references_path: str | Path | None = None, backend: str = "auto",
                    limit: int | None = None, log: Callable[[str], None] = print) -> dict:
     """Every chat turn of `records` as an item (`heldout.conversation_items`; later turns: category "multi-turn"),
     those that fit the models' context, `limit` of them spread over the groups; simulate every drafter on the
     target's greedy references (growing drafts, exact for these drafters), then run real speculative decoding with
-    the `primary` drafter (default: the last one) on `e2e_prompts` prompts. Returns the metrics dict."""
+    the `primary` drafter (default: the last one) on `e2e_prompts` prompts, or `e2e_drafter` where given (the
+    pack as shipped: its copy policy and its own draft threshold). Returns the metrics dict."""
     if not drafters:
         raise ValueError("no drafters to evaluate")
     if group_by not in ("category", "source"):
@@ -298,11 +300,13 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
         # the e2e subset is spread over groups too, so it is not all one kind of prompt
         pick = spread_over_categories([{"category": g, "n": n} for n, g in enumerate(groups)], e2e_prompts)
         sel = [prompts[p["n"]] for p in pick]
-        e2e = end_to_end(target, drafters[primary], sel, e2e_max_new_tokens or max_new_tokens, k=e2e_k or k,
+        drafter = e2e_drafter or drafters[primary]
+        e2e = end_to_end(target, drafter, sel, e2e_max_new_tokens or max_new_tokens, k=e2e_k or k,
                          stop_ids=stop_token_ids(tokenizer))
-        e2e["drafter"] = primary
+        e2e["drafter"] = primary if e2e_drafter is None else "pack as shipped"
         e2e["k"] = e2e_k or k
-        log(f"end-to-end ({primary}): lossless={e2e['lossless']} speedup={e2e['speedup']:.2f}x "
+        e2e["min_confidence"] = getattr(drafter, "min_confidence", None)  # the engine's default threshold
+        log(f"end-to-end ({e2e['drafter']}): lossless={e2e['lossless']} speedup={e2e['speedup']:.2f}x "
             f"MAL={e2e['mean_acceptance_length']:.2f}")
     p = results[primary]
     return {
@@ -392,7 +396,8 @@ def main(argv=None) -> dict:
         fp=load_hf_checkpoint(args.fp_checkpoint) if args.fp_checkpoint else None)
     metrics = run_evaluation(target, tok, records, drafters, k=args.k, max_new_tokens=args.max_new_tokens,
                              group_by=args.group_by, e2e_prompts=args.e2e_prompts, e2e_k=args.e2e_k,
-                             batch_size=args.batch_size, limit=args.limit, references_path=args.references)
+                             batch_size=args.batch_size, limit=args.limit, references_path=args.references,
+                             e2e_drafter=engine_from_dir(args.model))
     metrics.update({"target": args.target, "model": str(args.model), "prompts": list(args.prompts)})
     print()
     print(baselines_table(metrics["baselines"], args.k, metrics["prompts_per_category"]))

@@ -309,7 +309,8 @@ def evaluate_run(cfg: C.StudyConfig, run: RunLayout) -> dict:
     drafters = B.standard_baselines(run.model_dir, base=base, fp=B.load_hf_checkpoint(run.best_distill))
     metrics = ev.run_evaluation(target, tok, records, drafters, k=e.k, max_new_tokens=e.max_new_tokens,
                                 group_by=e.group_by, e2e_prompts=e.e2e_prompts, e2e_k=e.e2e_k,
-                                references_path=run.references, limit=e.limit)
+                                references_path=run.references, limit=e.limit,
+                                e2e_drafter=B.engine_from_dir(run.model_dir))  # the pack as shipped
     metrics["target"] = model_label(cfg.study.teacher)
     metrics["heldout_sets"] = decls
     metrics["left_out_overlapping_training"] = overlap

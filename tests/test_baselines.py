@@ -42,3 +42,18 @@ def test_standard_baselines_force_the_copy_prior(model_dir):
     # n-gram lookup alone: proposes what followed the last earlier occurrence of the context's suffix
     assert ngram_drafter({"enabled": False}).draft([1, 2, 3, 9, 1, 2], 4) == [3, 9, 1, 2]
     assert ngram_drafter(None).draft([5, 6, 7], 4) == []
+
+
+def test_standard_baselines_draft_fixed_length_whatever_the_packs_threshold(tmp_path):
+    """Acceptance at k is the baselines table's statistic: a pack's dynamic threshold must not cut its drafts short,
+    while the pack as shipped (`engine_from_dir`) keeps it."""
+    from drafter_lib.baselines import engine_from_dir
+
+    d = write_tiny_model_dir(tmp_path / "model", tiny_hf_model(seed=0))
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "draft_min_confidence": 0.99}))  # a random model: stops early
+    ctx = [5, 9, 3, 7, 11, 2]
+    shipped = engine_from_dir(d, verify=False)  # config.json changed after the manifest was written
+    assert shipped.min_confidence == 0.99 and len(shipped.draft(ctx, 8)) < 8
+    for name, drafter in standard_baselines(d, ngram=False, verify=False).items():
+        assert len(drafter.draft(ctx, 8)) == 8, name

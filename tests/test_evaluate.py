@@ -81,7 +81,7 @@ def test_cli_on_tiny_target_and_packed_drafter(tmp_path, tiny_target, capsys):
     tok.save_pretrained(target_dir)
     drafter, _ = prune_layers(model, "first:1")
     pack_checkpoint(drafter, drafter.config, tmp_path / "model", QuantConfig.default_for(group_size=32),
-                    copy_policy={"enabled": True, "mode": "prefix"})
+                    copy_policy={"enabled": True, "mode": "prefix"}, min_confidence=0.25)
     q = tmp_path / "question.jsonl"
     q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"{c} number {i} {c}?"]}) + "\n"
                          for i, c in enumerate(["a", "a", "a", "b", "b", "c"])))
@@ -93,6 +93,8 @@ def test_cli_on_tiny_target_and_packed_drafter(tmp_path, tiny_target, capsys):
     assert m["num_prompts"] == 3 and set(m["per_category"]) == {"a", "b", "c"}  # spread, not the first three
     assert m["prompts_per_category"] == {"a": 1, "b": 1, "c": 1} and m["prompts"] == [str(q)]
     assert m["lossless"] is True and m["end_to_end"]["prompts"] == 2
+    # the end-to-end run uses the pack as shipped (its threshold); the acceptance table drafts a fixed k
+    assert m["end_to_end"]["drafter"] == "pack as shipped" and m["end_to_end"]["min_confidence"] == 0.25
     assert len(m["per_position_acceptance"]) == 4 and 1.0 <= m["mean_acceptance_length"] <= 5.0
     assert list(m["baselines"]) == ["packed", "n-gram lookup", "packed + copy prior"]
     assert (tmp_path / "plots" / "position_acceptance.png").stat().st_size > 5000

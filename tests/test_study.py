@@ -99,7 +99,8 @@ def test_smoke_artifacts(smoke_run, tmp_path):
     assert packed.config["num_hidden_layers"] == 2  # smoke keeps even:2 of the tiny teacher's 4 layers
     eng = DraftEngine.from_dir(run.model_dir)
     row = json.loads(run.targets.read_text().splitlines()[0])
-    assert len(eng.draft(row["prompt_ids"], 5)) == 5
+    assert eng.min_confidence == C.PackConfig().min_confidence == 0.4  # the pack's default threshold, shipped
+    assert len(eng.draft(row["prompt_ids"], 5, min_confidence=0)) == 5
 
     # publishing: the pack to a model dir, the report to results/<name>/ - neither holds this machine's paths
     dest = pack.publish(run.model_dir, tmp_path / "model")

@@ -87,7 +87,7 @@ def main(argv=None) -> list[dict]:
           f"{'s':>6}")
     rows = []
     for mode in args.modes:
-        engine = DraftEngine.from_dir(args.model_dir, dtype=mode)
+        engine = DraftEngine.from_dir(args.model_dir, dtype=mode, min_confidence=0)  # full k-token drafts compared
         if args.eager:
             engine.model.compiled_step = None
         steps = "compiled" if engine.model.compiled_step is not None else "eager"

@@ -103,13 +103,24 @@ def start_server(model_dir: str):
 
 
 class ConfidenceDrafter:
-    """The engine (or the HTTP client) with a per-request `min_confidence` (dynamic draft length)."""
+    """The engine (or the HTTP client) with a per-request `min_confidence` (dynamic draft length; 0: always k)."""
 
     def __init__(self, engine, threshold: float):
         self.engine, self.threshold = engine, threshold
 
     def draft(self, tokens, k):
         return self.engine.draft(tokens, k, min_confidence=self.threshold)
+
+
+def draft_rows(name: str, drafter, args, shipped: float | None) -> dict:
+    """Row name -> (drafter, k): fixed k (threshold 0, whatever the pack's default), each threshold with each cap,
+    and the pack's own threshold at k <= 16 with no threshold sent: the defaults a client gets, marked (shipped)."""
+    rows = {f"{name} k={k}": (ConfidenceDrafter(drafter, 0.0), k) for k in args.k}
+    rows.update({f"{name} dyn>={c} k<={cap}": (ConfidenceDrafter(drafter, c), cap)
+                 for cap in args.dynamic_k for c in args.min_confidence if (c, cap) != (shipped, 16)})
+    if shipped:
+        rows[f"{name} dyn>={shipped} k<=16 (shipped)"] = (drafter, 16)
+    return rows
 
 
 def run_interleaved(target, prompts, max_new, stop, configs: dict) -> dict:
@@ -174,6 +185,8 @@ def main(argv=None) -> list[dict]:
           f"tokens, drafter {args.model_dir}")
 
     drafters, engines = {}, []
+    # the pack's default threshold (pack.min_confidence), what a request that sets none gets
+    shipped = json.loads((Path(args.model_dir) / "config.json").read_text()).get("draft_min_confidence")
     for dtype in args.engine_dtypes if "engine" in args.drafters else []:
         engine = DraftEngine.from_dir(args.model_dir, dtype=dtype)
         engines.append(engine)
@@ -181,15 +194,11 @@ def main(argv=None) -> list[dict]:
         print(f"engine weights: {engine.dtype}" + (f" ({plan})" if plan else "")
               + (f"; cached steps {engine.step_plan}" if engine.step_plan else ""))
         name = "engine" if len(args.engine_dtypes) == 1 else f"engine {engine.dtype}"
-        drafters.update({f"{name} k={k}": (engine, k) for k in args.k})
-        drafters.update({f"{name} dyn>={c} k<={k}": (ConfidenceDrafter(engine, c), k)
-                         for k in args.dynamic_k for c in args.min_confidence})
+        drafters.update(draft_rows(name, engine, args, shipped))
     proc = client = None
     if "http" in args.drafters:
         proc, client = start_server(args.model_dir)
-        drafters.update({f"http k={k}": (client, k) for k in args.k})
-        drafters.update({f"http dyn>={c} k<={k}": (ConfidenceDrafter(client, c), k)
-                         for k in args.dynamic_k for c in args.min_confidence})
+        drafters.update(draft_rows("http", client, args, shipped))
 
     targets = {}
     if "hf" in args.targets:

@@ -90,8 +90,8 @@ def verify_pack(checkpoint_dir, model_dir, qconfig, rows: list[dict], distilled_
     if distilled_dir is not None:
         distilled = _load_hf(distilled_dir)
         agree["distilled fp vs packed"] = logit_agreement(lambda x: distilled(x).logits, packed_fwd, batches)
-    engine = DraftEngine.from_dir(model_dir, dtype="float32", copy_policy={"enabled": False})
-    # plain greedy with no stop tokens: the engine has none
+    # plain greedy with no stop tokens (the engine has none) and no dynamic length: always draft_k tokens
+    engine = DraftEngine.from_dir(model_dir, dtype="float32", copy_policy={"enabled": False}, min_confidence=0)
     match = [engine.draft(r["prompt_ids"], draft_k) == greedy_decode(fq, r["prompt_ids"], draft_k)
              for r in rows[:draft_rows]]
     return {"packed_equals_fake_quant": exact, "engine_drafts_match_fake_quant": match, "logit_agreement": agree}

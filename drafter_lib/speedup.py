@@ -140,7 +140,7 @@ def measure_cost(engine, target, context: int = 384, ks: Sequence[int] = K_CHOIC
         return torch.randint(0, vocab, (n,), generator=gen).tolist()
 
     seq = rand(context)
-    engine.draft(seq, ks[-1])  # cold prefill, not timed
+    engine.draft(seq, ks[-1], min_confidence=0)  # cold prefill, not timed; every draft below is k tokens long
     target.reset()
     target.score(seq, keep=1)
     start = target.cached_len
@@ -150,7 +150,7 @@ def measure_cost(engine, target, context: int = 384, ks: Sequence[int] = K_CHOIC
     for r in range(repeats + 1):  # round 0 warms up
         for k in ks:
             t0 = time.perf_counter()
-            d = engine.draft(seq, k)
+            d = engine.draft(seq, k, min_confidence=0)
             t1 = time.perf_counter()
             seq = seq + list(d[:1]) + rand(1)  # the next call extends a cached prefix by accepted + bonus
             step, verify = rand(1), rand(k + 1)

@@ -124,3 +124,14 @@ def test_cost_rejects_bad_settings(tiny_random):
         S.make_target("vllm", base)
     with pytest.raises(ValueError, match="cost target"):
         CostSettings(target="vllm")
+
+
+def test_measure_cost_times_k_token_drafts_whatever_the_engines_threshold(tiny_random):
+    base, _ = tiny_random("llama", hidden_size=32, num_hidden_layers=2, seed=1)
+    engine = S.engine_of_shape(*S.drafter_shape(base, "first:1")[:2])
+    engine.min_confidence = 0.999  # a default threshold (a pack's draft_min_confidence): a random drafter stops at once
+    assert len(engine.draft(list(range(3, 27)), 4)) < 4
+    lengths, draft = [], engine.draft
+    engine.draft = lambda *a, **kw: lengths.append(len(d := draft(*a, **kw))) or d
+    S.measure_cost(engine, S.make_target("hf", base), context=24, ks=(2, 4), repeats=1)
+    assert lengths == [4] + [2, 4] * 2  # the cold prefill, then a warm-up round and one timed round

@@ -79,6 +79,8 @@ def test_smoke_metrics_make_sense(smoke_run):
     assert b["packed"]["mean_acceptance_length"] > 0.8 * b["distilled fp"]["mean_acceptance_length"]
     report = json.loads(run.pack_report.read_text())
     assert report["packed_equals_fake_quant"] is True
+    # full draft_k-token drafts, though the pack carries a dynamic threshold (pack.min_confidence)
+    assert report["engine_drafts_match_fake_quant"] and all(report["engine_drafts_match_fake_quant"])
 
 
 def test_smoke_artifacts(smoke_run, tmp_path):

@@ -43,7 +43,8 @@ def test_reduced_head_logits_are_the_full_heads_rows(arch, tie):
     pos = torch.arange(9).expand(2, -1)
     with torch.no_grad():
         want, got = full(x, pos)[..., ids], small(x, pos)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # the same dot products; only the GEMM's blocking may differ with the row count (it does with AVX2 MKL kernels)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert small.full_ids(got.argmax(-1)).tolist() == ids[want.argmax(-1)].tolist()
     assert full.full_ids(torch.tensor([7])).tolist() == [7]  # no draft vocab: indices are ids
 
@@ -88,7 +89,8 @@ def test_hf_training_side_reduce_save_load_and_pack(tmp_path):
     ids = torch.tensor([2, 5, 8, 13, 21, 34, 55, 89])
     DV.reduce_hf_model(hf, ids)
     with torch.no_grad():
-        torch.testing.assert_close(hf(x).logits, full[..., ids], rtol=0, atol=0)
+        # GEMM blocking may differ with the row count
+        torch.testing.assert_close(hf(x).logits, full[..., ids], rtol=0, atol=1e-6)
     # the reduced head trains on its own: the full embedding is no longer tied to it
     assert hf.lm_head.weight.data_ptr() != hf.model.embed_tokens.weight.data_ptr()
 

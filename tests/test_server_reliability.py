@@ -306,6 +306,8 @@ def test_shipped_model_drafts_ignore_batch_and_cache_state_under_8_clients(tmp_p
     if not (model_dir / "config.json").is_file():
         pytest.skip("no shipped model/")
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    # threshold 0: all 16 tokens compared (the pack's own threshold would stop most drafts on random ids early)
+    full = lambda t: {"tokens": t, "num_draft_tokens": 16, "min_confidence": 0}  # noqa: E731
     rng = random.Random(11)
     loops = [[rng.randrange(vocab) for _ in range(rng.randrange(30, 150))] for _ in range(8)]
     served = []
@@ -313,7 +315,7 @@ def test_shipped_model_drafts_ignore_batch_and_cache_state_under_8_clients(tmp_p
         async def rounds():
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
                 for _ in range(6):
-                    res = await asyncio.gather(*[c.post("/draft", json={"tokens": t, "num_draft_tokens": 16})
+                    res = await asyncio.gather(*[c.post("/draft", json=full(t))
                                                  for t in loops])
                     for t, r in zip(loops, res):
                         assert r.status_code == 200, r.text
@@ -323,9 +325,9 @@ def test_shipped_model_drafts_ignore_batch_and_cache_state_under_8_clients(tmp_p
         asyncio.run(rounds())
         with httpx.Client(base_url=srv.url, timeout=60) as c:
             for t, draft in reversed(served):
-                assert c.post("/draft", json={"tokens": t, "num_draft_tokens": 16}).json()["draft"] == draft
+                assert c.post("/draft", json=full(t)).json()["draft"] == draft
     with ServerProcess(model_dir, tmp_path / "cold.log", MAX_CACHE_MB=0.01) as cold, \
             httpx.Client(base_url=cold.url, timeout=60) as c:
         for t, draft in served:
-            body = c.post("/draft", json={"tokens": t, "num_draft_tokens": 16}).json()
+            body = c.post("/draft", json=full(t)).json()
             assert body["cached_prefix_len"] == 0 and body["draft"] == draft

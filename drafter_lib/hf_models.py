@@ -161,6 +161,12 @@ def load_default_teacher(cache_dir=None, dtype: torch.dtype = torch.float32, dev
     return _load_hf_dir(convert_default_teacher(cache_dir), dtype=dtype, device=device)
 
 
+def _named(tok):
+    """The same name whichever copy it came from (artifacts such as architecture.json record it)."""
+    tok.name_or_path = DEFAULT_TEACHER
+    return tok
+
+
 def default_tokenizer(cache_dir=None):
     """Only the default teacher's tokenizer (vocab 49152): from the converted copy if there, else from the GGUF
     (~4 s), which is then saved to the cache on its own."""
@@ -169,9 +175,9 @@ def default_tokenizer(cache_dir=None):
     root = cache_root(cache_dir)
     for d in sorted(root.glob(f"{DEFAULT_TEACHER}-*")) if root.is_dir() else []:
         if (d / _CONVERTED_MARK).is_file() or (d / "tokenizer_config.json").is_file():
-            return AutoTokenizer.from_pretrained(d)
+            return _named(AutoTokenizer.from_pretrained(d))
     gguf = default_teacher_gguf()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = _named(AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name))
     tok_dir = root / f"{DEFAULT_TEACHER}-tokenizer"
     try:
         root.mkdir(parents=True, exist_ok=True)

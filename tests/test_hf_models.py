@@ -182,3 +182,13 @@ def test_tiny_model_with_default_tokenizer():
     assert model.config.vocab_size == len(tok) == 49152
     ids = torch.tensor([tok.encode("hi there")])
     assert model(ids).logits.shape == (1, ids.shape[1], 49152)
+
+
+@needs_teacher
+def test_default_tokenizer_has_one_name_from_the_gguf_and_from_its_cached_copy(tmp_path):
+    """architecture.json records the tokenizer's name: it must not depend on which copy a machine loaded."""
+    from_gguf = H.default_tokenizer(cache_dir=tmp_path)  # an empty cache: read from the GGUF, then saved
+    assert any(tmp_path.glob(f"{H.DEFAULT_TEACHER}-*"))
+    from_copy = H.default_tokenizer(cache_dir=tmp_path)
+    assert from_gguf.name_or_path == from_copy.name_or_path == H.DEFAULT_TEACHER
+    assert from_gguf.encode("hi there") == from_copy.encode("hi there")

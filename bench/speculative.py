@@ -36,7 +36,7 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompts", default=None, help="held-out prompt file (project format or question.jsonl)")
     ap.add_argument("--n", type=int, default=12, help="prompts, spread over categories")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--k", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--k", type=int, nargs="*", default=[1, 2, 4, 8, 16])
     ap.add_argument("--min-confidence", type=float, nargs="*", default=[0.2, 0.4],
                     help="dynamic draft length thresholds")
     ap.add_argument("--dynamic-k", type=int, nargs="+", default=[16],

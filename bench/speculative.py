@@ -64,28 +64,15 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(ROOT))
 
-from drafter_lib import data, hf_models, teacher  # noqa: E402
+from bench.workload import heldout_prompts  # noqa: E402
+from drafter_lib import hf_models, teacher  # noqa: E402
 from drafter_lib.client import SpeculativeClient  # noqa: E402
-from drafter_lib.config import DataConfig  # noqa: E402
 from drafter_lib.engine import DraftEngine  # noqa: E402
-from drafter_lib.evaluate import encode_records, load_eval_prompts, spread_over_categories  # noqa: E402
+from drafter_lib.evaluate import encode_records  # noqa: E402
 from drafter_lib.kernels import cpu_model  # noqa: E402
-from drafter_lib.layout import SHARED_DATA_DEFAULT, RunLayout  # noqa: E402
 from drafter_lib.model import Transformer  # noqa: E402
 from drafter_lib.speculative import HFTarget, NativeTarget, speculative_generate  # noqa: E402
 from drafter_lib.speedup import measure_cost  # noqa: E402
-
-
-def heldout_prompts(path: str | None, n: int) -> list[dict]:
-    default_run = RunLayout.of("runs/default").heldout_prompts
-    if path or default_run.is_file():
-        return load_eval_prompts(path or default_run, n)
-    shared = SHARED_DATA_DEFAULT if SHARED_DATA_DEFAULT.is_dir() else None
-    records = []
-    for src in data.default_sources(shared, synthetic_n=600, humaneval=False):
-        recs, _ = data.load_source(src)
-        records += data.split_heldout(recs, DataConfig().heldout_frac)[1]  # the default study's held-out side
-    return spread_over_categories(records, n)
 
 
 def start_server(model_dir: str):

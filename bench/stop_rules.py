@@ -25,12 +25,12 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.workload import heldout_prompts  # noqa: E402
 from drafter_lib import hf_models, teacher  # noqa: E402
 from drafter_lib.engine import DraftEngine  # noqa: E402
-from drafter_lib.evaluate import encode_records, load_eval_prompts  # noqa: E402
+from drafter_lib.evaluate import encode_records  # noqa: E402
 from drafter_lib.kernels import cpu_model  # noqa: E402
-from drafter_lib.layout import RunLayout  # noqa: E402
-from drafter_lib.speculative import HFTarget, speculative_generate  # noqa: E402
+from drafter_lib.speculative import HFTarget, accepted_length, speculative_generate  # noqa: E402
 from drafter_lib.speedup import measure_cost  # noqa: E402
 
 
@@ -43,10 +43,7 @@ def trace(engine, target, prompts, max_new: int, k: int, stop) -> list[dict]:
         acc, probs = [], []
         for i in range(len(ref)):
             d = engine.draft(p + ref[:i], k, min_confidence=0, return_probs=True)
-            n = 0
-            while n < len(d) and i + n < len(ref) and d[n] == ref[i + n]:
-                n += 1
-            acc.append(n)
+            acc.append(accepted_length(d, ref[i:]))
             probs.append([1.0 if q is None else round(float(q), 5) for q in d.probs])
         out.append({"n": len(ref), "accepted": acc, "probs": probs})
     return out
@@ -82,7 +79,7 @@ def replay(tr: list[dict], rule: tuple[str, float], v: dict, c: dict, k: int) ->
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default=str(ROOT / "model"))
-    ap.add_argument("--prompts", default=None, help="held-out prompt file (default: the default run's split)")
+    ap.add_argument("--prompts", default=None, help="held-out prompt file (default: bench/speculative.py's workload)")
     ap.add_argument("--n", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--k", type=int, default=16)
@@ -98,7 +95,7 @@ def main(argv=None) -> list[dict]:
     if args.trace and Path(args.trace).is_file():
         tr = json.loads(Path(args.trace).read_text())
     else:
-        records = load_eval_prompts(args.prompts or RunLayout.of("runs/default").heldout_prompts, args.n)
+        records = heldout_prompts(args.prompts, args.n)
         tr = trace(engine, target, encode_records(tok, records), args.max_new_tokens, args.k,
                    teacher.stop_token_ids(tok))
         if args.trace:

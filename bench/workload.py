@@ -1,0 +1,25 @@
+"""The end-to-end benchmarks' prompts (`bench/speculative.py`, `bench/stop_rules.py`): one definition, so a stopping
+rule replayed offline is scored on the same workload the end-to-end rows measure.
+
+A given file, else the default run's held-out split when present, else held-out prompts of the embedded synthetic
+families and ../shared/data (by the study's id-hash split), spread over categories. Import after `drafter_lib` is
+on sys.path.
+"""
+from __future__ import annotations
+
+from drafter_lib import data
+from drafter_lib.config import DataConfig
+from drafter_lib.evaluate import load_eval_prompts, spread_over_categories
+from drafter_lib.layout import SHARED_DATA_DEFAULT, RunLayout
+
+
+def heldout_prompts(path: str | None, n: int) -> list[dict]:
+    default_run = RunLayout.of("runs/default").heldout_prompts
+    if path or default_run.is_file():
+        return load_eval_prompts(path or default_run, n)
+    shared = SHARED_DATA_DEFAULT if SHARED_DATA_DEFAULT.is_dir() else None
+    records = []
+    for src in data.default_sources(shared, synthetic_n=600, humaneval=False):
+        recs, _ = data.load_source(src)
+        records += data.split_heldout(recs, DataConfig().heldout_frac)[1]  # the default study's held-out side
+    return spread_over_categories(records, n)

@@ -306,8 +306,10 @@ def test_shipped_model_drafts_ignore_batch_and_cache_state_under_8_clients(tmp_p
     if not (model_dir / "config.json").is_file():
         pytest.skip("no shipped model/")
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    # threshold 0: all 16 tokens compared (the pack's own threshold would stop most drafts on random ids early)
-    full = lambda t: {"tokens": t, "num_draft_tokens": 16, "min_confidence": 0}  # noqa: E731
+
+    def full(t):  # threshold 0: all 16 tokens compared (the pack's own would stop most drafts on random ids early)
+        return {"tokens": t, "num_draft_tokens": 16, "min_confidence": 0}
+
     rng = random.Random(11)
     loops = [[rng.randrange(vocab) for _ in range(rng.randrange(30, 150))] for _ in range(8)]
     served = []

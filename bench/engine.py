@@ -206,6 +206,8 @@ def main():
                               for s, e in eng.kernels.items())
             print(f"kernels {mode} (load {load_s[mode]:.1f} s, cache {cache_file()}): {paths}; "
                   f"cached steps {eng.step_plan}")
+        steps = "" if eng.kernels else f"cached steps {eng.step_plan}; "
+        print(f"{mode}: {steps}head {eng.head_plan} (us per one-row greedy token with its probability)")
     print(f"\nk={k}, warm: +{args.accepted} accepted +1 bonus per request (median of {args.reps}, interleaved)")
     print(f"{'ctx':>5} {'system':>14} | {'latency':>10} {'tok/s':>7} | {'HF/this':>7} {'cold/this':>9}")
     for n in args.contexts:

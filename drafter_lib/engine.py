@@ -7,9 +7,10 @@
 
 - Weights (`dtype`): "auto" (default) holds each weight shape in the path measured fastest here (`kernels.py`;
   "auto-approx" adds bf16 and int8 linears); "float16", "int8", "float32" force one (`weight_formats.hold_weights`).
-  Below fp32 the embedding/lm_head are the pack's int8 rows, with an exact greedy argmax (`Int8Head`). A model dir
-  may name its mode (config.json `draft_engine_dtype`): `from_dir` uses it unless given a dtype.
-- Short steps (a loop's tail, each drafted token; batched too) run compiled where faster (`kernels.hold_step`).
+  Below fp32 the embedding/lm_head are the pack's int8 rows, with an exact greedy argmax (`Int8Head`; its
+  approximate logits from int8 or fp16, measured: `head_paths.py`). A model dir may name its mode (config.json
+  `draft_engine_dtype`): `from_dir` uses it unless given a dtype. Short steps (a loop's tail, each drafted token;
+  batched too) run compiled where faster (`kernels.hold_step`).
 - The same request gets the same draft whatever the cache state and whatever else shares its batch: every token
   runs the same math whether it is part of a long prefill, a tail after a cached prefix, a row of a batched prefill
   or decode step (no weight format is chosen by the number of rows; compiled vs eager steps, by a feed's length,
@@ -23,7 +24,7 @@
 - Prefix KV cache (prefix_cache.py): a row is stored under request + the draft tokens whose K/V were computed.
 - Batching: the uncached tails of a batch's requests (up to _BATCH_FEED tokens: a speculative loop's next step) run
   as one right-padded pass (a pad sits after its row's real tokens, so nothing real attends to it); a longer tail (a
-  new prompt) runs alone. Decode steps are batched; the head's greedy tokens of all rows come from one int8 GEMM.
+  new prompt) runs alone. Decode steps are batched.
 - In-flight memory: draft_batch runs its requests in groups whose decode cache (rows x longest row) holds at most
   max_batch_tokens token slots, so a burst of long contexts cannot allocate without bound. Rows that finish or
   stop leave the batched decode once they are at least half of it (their K/V go back to their own caches).
@@ -41,7 +42,8 @@ from pathlib import Path
 import torch
 
 from .copy_policy import CopyPolicy
-from .io_utils import check_token_ids
+from .head_paths import hold_head
+from .io_utils import check_bool, check_token_ids, per_request
 from .kernels import hold_measured, hold_step
 from .model import KVCache, ModelConfig, Transformer
 from .prefix_cache import PrefixCache
@@ -136,6 +138,7 @@ class DraftEngine:
         self.kernels = hold_measured(model.eval(), stored_rows, approximate=dtype == "auto-approx") if auto else None
         self.model = model if auto else hold_weights(model.eval(), DTYPES[dtype], stored_rows)
         self.step_plan = hold_step(self.model, self.kernels or {"all": {"path": dtype}})
+        self.head_plan = hold_head(self.model.lm_head)
         self.config: ModelConfig = model.config
         self.vocab_size = self.config.vocab_size
         self.max_context = self.config.max_position_embeddings
@@ -189,8 +192,8 @@ class DraftEngine:
         min_confidence / return_probs: one value for all requests or one per request (None: the default)."""
         reqs = [self._validate(t, k, i) for i, t in enumerate(requests)]
         thresholds = [self.min_confidence if c is None else c for c in
-                      _per_request(min_confidence, len(reqs), "min_confidence", check_min_confidence)]
-        want = _per_request(return_probs, len(reqs), "return_probs", _check_bool)
+                      per_request(min_confidence, len(reqs), "min_confidence", check_min_confidence)]
+        want = per_request(return_probs, len(reqs), "return_probs", check_bool)
         if k == 0 or not reqs:
             return [Draft(probs=[] if w else None) for w in want]
         out: list[Draft] = [Draft()] * len(reqs)
@@ -211,13 +214,13 @@ class DraftEngine:
     def info(self) -> dict:
         m = self._meta
         return dict(config=self.config.to_dict(), hf_config=m.get("hf_config"), quantization=m.get("quantization"),
-                    manifest_sha256=m.get("manifest_sha256"), path=m.get("path"),
-                    copy_policy=self.copy_policy.to_dict(), dtype=self.dtype, kernels=self.kernels,
-                    cached_step=self.step_plan, vocab_size=self.vocab_size,
-                    max_context=self.max_context, min_confidence=self.min_confidence,
-                    weight_bytes=weight_bytes(self.model), kv_bytes_per_token=self.kv_bytes_per_token,
-                    max_batch_tokens=self.max_batch_tokens, max_cache_tokens=self.max_cache_tokens,
-                    max_cache_bytes=self.max_cache_bytes, cache=self.cache_info())
+                    manifest_sha256=m.get("manifest_sha256"), path=m.get("path"), dtype=self.dtype,
+                    copy_policy=self.copy_policy.to_dict(), kernels=self.kernels, cached_step=self.step_plan,
+                    head=self.head_plan, vocab_size=self.vocab_size, max_context=self.max_context,
+                    min_confidence=self.min_confidence, weight_bytes=weight_bytes(self.model),
+                    kv_bytes_per_token=self.kv_bytes_per_token, max_batch_tokens=self.max_batch_tokens,
+                    max_cache_tokens=self.max_cache_tokens, max_cache_bytes=self.max_cache_bytes,
+                    cache=self.cache_info())
 
     def cache_info(self) -> dict:
         """Counters only (no walk over the entries): safe to call from another thread while a batch runs."""
@@ -369,9 +372,9 @@ class DraftEngine:
         need = [need] * h.shape[0] if isinstance(need, bool) else need
         sel = [i for i, w in enumerate(need) if w]
         if isinstance(head, Int8Head):
-            # the exact argmax, its candidates pruned by the int8 logits that also give a probability when asked
+            # the exact argmax, its candidates pruned by approximate logits that also give a probability when
+            # asked (int8: 3 parts give fp32-accurate probabilities, 2 suffice for the argmax; or fp16, head_paths)
             x = h.float()
-            # one int8 GEMM for all rows; 3 parts give fp32-accurate probabilities, 2 suffice for the exact argmax
             approx, bound = head.approx_logits(x, parts=3 if sel else 2)
             idx = head.exact_argmax(x, approx, bound)
             logits = approx[sel].float() if sel else None
@@ -387,21 +390,6 @@ class DraftEngine:
         for j, i in enumerate(sel):
             probs[i] = p[j]
         return toks, probs
-
-
-def _check_bool(value, what: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{what} must be a bool, got {value!r}")
-    return value
-
-
-def _per_request(value, n: int, what: str, check) -> list:
-    """One checked value per request: a scalar applies to all, a sequence must have one per request."""
-    if isinstance(value, Sequence) and not isinstance(value, str):
-        if len(value) != n:
-            raise ValueError(f"{what}: {len(value)} values for {n} requests")
-        return [check(v, f"{what}[{i}]") for i, v in enumerate(value)]
-    return [check(value, what)] * n
 
 
 def _load_dir(path, dtype: str | None, verify: bool):

@@ -82,3 +82,18 @@ def check_token_ids(tokens: Sequence[int], vocab_size: int, what: str = "tokens"
             raise ValueError(f"{what}[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
         out.append(t)
     return out
+
+
+def check_bool(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{what} must be a bool, got {value!r}")
+    return value
+
+
+def per_request(value, n: int, what: str, check) -> list:
+    """One checked value per request: a scalar applies to all, a sequence must have one per request."""
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if len(value) != n:
+            raise ValueError(f"{what}: {len(value)} values for {n} requests")
+        return [check(v, f"{what}[{i}]") for i, v in enumerate(value)]
+    return [check(value, what)] * n

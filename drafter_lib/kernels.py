@@ -55,8 +55,8 @@ from .model import Linear
 from .weight_formats import Int8DynLinear, Int8Head, Int8WeightLinear, hold_linear, hold_table_rows, linears
 
 __all__ = ["PATHS", "APPROXIMATE", "candidate_paths", "time_paths", "choose_paths", "hold_measured", "machine_key",
-           "cache_file", "cpu_model", "decode_read_bytes", "CompiledGemvLinear", "compile_works", "hold_step",
-           "time_step"]
+           "cache_file", "cached_choice", "cpu_model", "decode_read_bytes", "CompiledGemvLinear", "compile_works",
+           "hold_step", "time_step"]
 
 PATHS = ("float32", "float16", "float16+compile", "bfloat16", "int8")
 APPROXIMATE = ("bfloat16", "int8")
@@ -222,6 +222,18 @@ def choose_paths(shapes: dict[tuple[int, int], list[torch.Tensor]], approximate:
     return plan
 
 
+def cached_choice(key: str, measure) -> dict:
+    """This machine's cached entry `key`, else `measure()`'s result (a dict with a "path"), cached."""
+    path = cache_file()
+    doc = _read_cache(path)
+    entry = doc.setdefault(machine_key(), {})
+    hit = entry.get(key)
+    if not (isinstance(hit, dict) and "path" in hit):
+        hit = entry[key] = measure()
+        _write_cache(path, doc)
+    return hit
+
+
 def _write_cache(path: Path, doc: dict):
     try:
         write_json(path, doc)
@@ -342,13 +354,16 @@ def hold_step(model, plan: dict) -> dict:
 
 def decode_read_bytes(model: nn.Module) -> int:
     """Weight bytes one decode step reads: every linear as held and the lm_head (an Int8Head's int8 table, scales
-    and row norms); an embedding lookup reads one row, not counted."""
+    and row norms, or its fp16 copy); an embedding lookup reads one row, not counted."""
     seen, total = set(), 0
+    compiled = getattr(model, "compiled_step", None) is not None
     for mod in model.modules():
-        if isinstance(mod, Int8Head):
-            ts = [mod.q, mod.scale, mod.l1]
-        elif isinstance(mod, (Int8DynLinear, Int8WeightLinear)):  # int8w: what its compiled steps read
-            ts = [mod.q, mod.scale]
+        if isinstance(mod, Int8Head):  # its approximate logits' table (the exact pass reads a row or two)
+            ts = [mod.q, mod.scale, mod.l1] if mod.approx is None else [mod.approx.w16, mod.approx.coef]
+        elif isinstance(mod, Int8DynLinear) or (isinstance(mod, Int8WeightLinear) and compiled):
+            ts = [mod.q, mod.scale]  # int8w: what its compiled steps read; eager steps read its fp32 copy
+        elif isinstance(mod, Int8WeightLinear):
+            ts = [mod.dequantized]
         elif isinstance(mod, nn.Linear):
             ts = [mod.weight]
         else:

@@ -172,6 +172,7 @@ class Int8Head(nn.Module):
         self.register_buffer("l1", q.abs().sum(1, dtype=torch.float32) * scale[:, 0], persistent=False)
         self._int_mm = _int_mm_works(q)
         self._scale64, self._l1_64 = scale[:, 0].double(), self.l1.double()
+        self.approx = None  # another way to the approximate logits, chosen by head_paths.hold_head (None: int8)
 
     def forward(self, x):
         out = [F.linear(x.float(), self.q[s:s + 8192].float() * self.scale[s:s + 8192])
@@ -183,7 +184,10 @@ class Int8Head(nn.Module):
         of every row split into `parts` int8 parts (x = s1 q1 + s2 q2 + ... + r, |r| <= s_last / 2 ~ max|x| / 127**
         parts / 2; the scales are per row). The products are exact integers and the rest is elementwise per row, so
         a row's result does not depend on the other rows of the call. Three parts give logits as accurate as fp32
-        (the engine's probabilities); two prune the argmax's candidates as well, a little cheaper."""
+        (the engine's probabilities); two prune the argmax's candidates as well, a little cheaper. With
+        `self.approx` set (`head_paths.HalfApprox`, where int8 GEMMs are slow) it gives them instead."""
+        if self.approx is not None:
+            return self.approx(x.float().reshape(-1, x.shape[-1]))
         r = x.double().reshape(-1, x.shape[-1])
         qs, scales = [], []
         for _ in range(parts):

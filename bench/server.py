@@ -91,7 +91,8 @@ class Stream:
 
 
 async def run_phase(url: str, kind: str, clients: int, max_requests: int, duration: float, k: int, vocab: int,
-                    prompt_len: int, max_len: int, accept_p: float, seed: int) -> dict:
+                    prompt_len: int, max_len: int, accept_p: float, seed: int, min_confidence: float | None = 0.0
+                    ) -> dict:
     latencies, batch_sizes, cached = [], [], []
     issued = rejected = 0
     deadline = time.perf_counter() + duration
@@ -103,7 +104,10 @@ async def run_phase(url: str, kind: str, clients: int, max_requests: int, durati
             issued += 1
             tokens = stream.next_tokens()
             t0 = time.perf_counter()
-            r = await c.post("/draft", json={"tokens": tokens, "num_draft_tokens": k})
+            req = {"tokens": tokens, "num_draft_tokens": k}
+            if min_confidence is not None:
+                req["min_confidence"] = min_confidence
+            r = await c.post("/draft", json=req)
             if r.status_code == 503:  # overloaded (MAX_QUEUE / REQUEST_TIMEOUT_S): counted, retried later
                 rejected += 1
                 await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", 1))))
@@ -165,6 +169,9 @@ def main(argv=None) -> None:
     ap.add_argument("--accept-p", type=float, default=0.7, help="extend stream: per-token acceptance probability")
     ap.add_argument("--streams", default="extend,unrelated")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--min-confidence", type=float, default=0.0,
+                    help="sent with every request (default 0: full k-token drafts, whatever the model dir's default "
+                         "threshold; a negative value sends none, so that default applies)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args(argv)
     client_counts = [int(x) for x in args.clients.split(",")]
@@ -190,20 +197,21 @@ def main(argv=None) -> None:
             info = c.info()
         vocab = info["vocab_size"]
         max_len = min(args.max_len, info["max_context"] - args.k - 1)
+        conf = None if args.min_confidence < 0 else args.min_confidence
         import torch
 
         print(f"cpu capability {torch.backends.cpu.get_cpu_capability()} (server side: the same machine)")
         print(f"server {url}  model {info['server']['model_dir']}  vocab {vocab}  k={args.k}  "
-              f"prompt_len={args.prompt_len}  accept_p={args.accept_p}  bounds: {args.requests} requests / "
-              f"{args.duration:.0f}s per phase", flush=True)
+              f"prompt_len={args.prompt_len}  accept_p={args.accept_p}  min_confidence={conf}  "
+              f"bounds: {args.requests} requests / {args.duration:.0f}s per phase", flush=True)
         # Warm-up (first-call allocations, thread pools) so the 1-client phase is not penalised.
         asyncio.run(run_phase(url, "unrelated", 2, 6, 30, args.k, vocab, args.prompt_len, max_len, args.accept_p,
-                              seed=999))
+                              seed=999, min_confidence=conf))
         results = []
         for kind in args.streams.split(","):
             for n in client_counts:
                 r = asyncio.run(run_phase(url, kind, n, args.requests, args.duration, args.k, vocab,
-                                          args.prompt_len, max_len, args.accept_p, args.seed))
+                                          args.prompt_len, max_len, args.accept_p, args.seed, conf))
                 print(f"  {kind:<9} {n:>2} clients: {r['requests']:>4} requests in {r['wall_s']:.1f}s  "
                       f"{r['rps']:.1f} req/s  p50 {r['p50_ms']:.1f} ms  p99 {r['p99_ms']:.1f} ms  "
                       f"mean batch {r['mean_batch']:.2f}  503s {r['rejected_503']}", flush=True)

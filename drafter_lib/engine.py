@@ -43,6 +43,7 @@ import torch
 
 from .copy_policy import CopyPolicy
 from .head_paths import hold_head
+from .int8w_rows import hold_int8w_rows
 from .io_utils import check_bool, check_token_ids, per_request
 from .kernels import hold_measured, hold_step
 from .model import KVCache, ModelConfig, Transformer
@@ -135,8 +136,10 @@ class DraftEngine:
         self.dtype = check_engine_dtype(dtype)
         # dtype "auto*": the path measured fastest per weight shape (kernels.hold_measured), else a forced one
         auto = dtype.startswith("auto")
-        self.kernels = hold_measured(model.eval(), stored_rows, approximate=dtype == "auto-approx") if auto else None
-        self.model = model if auto else hold_weights(model.eval(), DTYPES[dtype], stored_rows)
+        self.model = model.eval() if auto else hold_weights(model.eval(), DTYPES[dtype], stored_rows)
+        # int8w: its compiled steps read int8 rows or the same integers as fp16, measured (int8w_rows.py)
+        self.kernels = (hold_measured(model, stored_rows, approximate=dtype == "auto-approx") if auto
+                        else hold_int8w_rows(model) or None)
         self.step_plan = hold_step(self.model, self.kernels or {"all": {"path": dtype}})
         self.head_plan = hold_head(self.model.lm_head)
         self.config: ModelConfig = model.config

@@ -361,10 +361,10 @@ def decode_read_bytes(model: nn.Module) -> int:
     for mod in model.modules():
         if isinstance(mod, Int8Head):  # its approximate logits' table (the exact pass reads a row or two)
             ts = [mod.q, mod.scale, mod.l1] if mod.approx is None else [mod.approx.w16, mod.approx.coef]
-        elif isinstance(mod, Int8DynLinear) or (isinstance(mod, Int8WeightLinear) and compiled):
-            ts = [mod.q, mod.scale]  # int8w: what its compiled steps read; eager steps read its fp32 copy
-        elif isinstance(mod, Int8WeightLinear):
-            ts = [mod.dequantized]
+        elif isinstance(mod, Int8DynLinear):
+            ts = [mod.q, mod.scale]
+        elif isinstance(mod, Int8WeightLinear):  # compiled steps read its rows; eager ones its fp32 copy if held
+            ts = [mod.compiled_rows, mod.scale] if compiled or mod.dequantized is None else [mod.dequantized]
         elif isinstance(mod, nn.Linear):
             ts = [mod.weight]
         else:

@@ -106,7 +106,8 @@ class Int8WeightLinear(nn.Module):
     vs the same token in a long prefill: BLAS sums in another order) stays a last-bit difference instead of
     flipping an int8 quantum; drafts keep the same-draft property as fp32 does. Inside a compiled step (the
     engine's short steps, alone or batched) the product is a reduction inductor fuses with the int8 -> fp32
-    conversion, so it reads the int8 rows, a quarter of fp32's bytes; eagerly (long prefills, or where the steps
+    conversion, so it reads the int8 rows, a quarter of fp32's bytes (or the same integers as fp16 where that loop
+    is faster, `int8w_rows.py`); eagerly (long prefills, or where the steps
     stay eager) it multiplies by the dequantized weight held beside them (the same values, fp32).
     """
 
@@ -117,14 +118,24 @@ class Int8WeightLinear(nn.Module):
         self.register_buffer("scale", scale[:, 0])
         self.register_buffer("dequantized", q.float() * scale)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        # what a compiled step reads: the int8 rows, or the same integers as fp16 where inductor converts those faster
+        # (exact: |q| <= 127; the same products either way; int8w_rows.hold_int8w_rows)
+        self.register_buffer("compiled_rows", q, persistent=False)
         self.in_features, self.out_features = q.shape[1], q.shape[0]
+
+    def hold_rows_as_half(self):
+        """Both paths read the rows' integers as fp16 (exact), and the fp32 copy goes (int8w_rows.hold_int8w_rows)."""
+        self.compiled_rows, self.dequantized = self.q.half(), None
 
     def forward(self, x):
         x = x.float()
         if torch.compiler.is_compiling():
-            y = (x.unsqueeze(-2) * self.q.float()).sum(-1) * self.scale
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.dequantized, self.bias)
+            y = (x.unsqueeze(-2) * self.compiled_rows.float()).sum(-1) * self.scale
+        elif self.dequantized is None:  # rows held as fp16: upcast per call (a long prefill's matmul dwarfs it)
+            y = F.linear(x, self.compiled_rows.float()) * self.scale
+        else:
+            return F.linear(x, self.dequantized, self.bias)
+        return y if self.bias is None else y + self.bias
 
 
 def _int_mm_works(q: torch.Tensor) -> bool:

@@ -294,3 +294,37 @@ def test_int8w_holds_int8_rows_with_fp32_activations(cache_dir, monkeypatch):
         p = rand_tokens(n, 90 + s)
         assert compiled.draft(p, 12) == ref.draft(p, 12)
     check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype="int8w"))
+
+
+def test_int8w_compiled_rows_as_fp16_draft_the_same_bits(cache_dir, monkeypatch):
+    """int8w_rows: where inductor's int8 -> fp32 loop is slow the compiled steps read the same integers as fp16; the
+    products are the same (inductor may sum them in another order: last bits), so the drafts are the same and their
+    probabilities agree to fp32 rounding. The choice is measured once per shape and cached."""
+    from drafter_lib import head_paths, int8w_rows
+    from drafter_lib.weight_formats import Int8WeightLinear
+
+    _compiler_or_skip(monkeypatch)
+    monkeypatch.setattr(kernels, "time_step", lambda *a, **kw: {"eager": 2.0, "compiled": 1.0})
+    monkeypatch.setattr(head_paths, "_time_head", lambda *a: {"int8": 1.0, "float16+compile": 9.0})  # one head
+    m = _sharp_model(1.0)
+    engines, calls = {}, []
+    for prefer in ("int8", "float16"):
+        monkeypatch.setenv("SPECDRAFT_CACHE_DIR", str(cache_dir / prefer))
+        monkeypatch.setattr(int8w_rows, "time_rows", lambda mods, p=prefer: calls.append(1) or {
+            "int8": 1.0 if p == "int8" else 9.0, "float16": 1.0 if p == "float16" else 9.0})
+        engines[prefer] = make_engine(m, dtype="int8w")
+        lins = [mod for mod in engines[prefer].model.modules() if isinstance(mod, Int8WeightLinear)]
+        dtype = torch.int8 if prefer == "int8" else torch.float16
+        assert lins and all(mod.compiled_rows.dtype == dtype and torch.equal(mod.compiled_rows.float(), mod.q.float())
+                            and (mod.dequantized is None) == (prefer == "float16") for mod in lins)
+        assert all(v["path"] == prefer for v in engines[prefer].info()["kernels"].values())
+        assert engines[prefer].step_plan["path"] == "compiled"
+    shapes = {tuple(mod.q.shape) for mod in lins}
+    assert len(calls) == 2 * len(shapes)
+    make_engine(m, dtype="int8w")  # the cache answers: nothing timed again
+    assert len(calls) == 2 * len(shapes)
+    for s, n in enumerate((3, 17, 40)):
+        p = rand_tokens(n, 120 + s)
+        a, b = (e.draft(p, 12, return_probs=True) for e in engines.values())
+        assert list(a) == list(b) and a.probs == pytest.approx(b.probs, rel=1e-5)
+    check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype="int8w"))

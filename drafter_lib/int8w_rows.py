@@ -1,0 +1,74 @@
+"""What the "int8w" mode's compiled steps read, chosen by measurement: the int8 rows, or the same integers as fp16.
+
+Inside a compiled step an `Int8WeightLinear` computes sum_i x_i * float(q_i) in fp32, then scales the row: inductor
+fuses the int8 -> fp32 conversion into the reduction, so a decode step reads a quarter of fp32's bytes. On an AVX2-only
+CPU that conversion loop is slow (an AMD EPYC: 4.5 ms over the 8192 x 576 head's int8 rows against 1.1 ms over the
+same values in fp16; the `int8w` step's chooser kept eager fp32 there, 12.7 against 15.6 ms compiled). Every int8
+value (|q| <= 127) is exact in fp16, so holding q as fp16 changes no product, only the bytes read (half of fp32's) and
+the loop inductor writes, which may sum in another order (last-bit differences, as between compiled and eager
+steps). Per weight shape, the engine times a one-row compiled GEMV over all of that shape's rows back to back with
+each storage, keeps the faster (int8 unless fp16 wins by `kernels.MIN_GAIN`) and caches the choice with the other
+kernel paths; `kernels.hold_step` then times the step, eager against compiled, with it. Held as fp16, the rows
+also serve eager calls (upcast per call, then scaled), and the fp32 copy beside them is dropped.
+"""
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import torch
+
+from .kernels import MIN_GAIN, ROUNDS, cached_choice, compile_wanted, compile_works
+from .weight_formats import Int8WeightLinear
+
+__all__ = ["hold_int8w_rows", "time_rows"]
+
+
+def _rows_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.unsqueeze(-2) * q.float()).sum(-1) * scale  # Int8WeightLinear's compiled product
+
+
+@functools.cache
+def _compiled_rows_gemv():
+    return torch.compile(_rows_gemv, dynamic=False, fullgraph=True)
+
+
+@torch.inference_mode()
+def time_rows(mods: list[Int8WeightLinear], rounds: int = ROUNDS) -> dict[str, float]:
+    """Microseconds per one-row compiled call, int8 rows vs fp16 rows, over `mods` (one shape) back to back,
+    interleaved round by round; the median round counts."""
+    gemv = _compiled_rows_gemv()
+    rows = {"int8": [m.q for m in mods], "float16": [m.q.half() for m in mods]}
+    x = torch.randn(1, mods[0].in_features, generator=torch.Generator().manual_seed(0))
+    times = {p: [] for p in rows}
+    for r in range(rounds + 1):  # round 0 warms up (and compiles)
+        for p in list(rows)[r % 2:] + list(rows)[:r % 2]:
+            t = time.perf_counter()
+            for m, q in zip(mods, rows[p]):
+                gemv(x, q, m.scale)
+            if r:
+                times[p].append((time.perf_counter() - t) / len(mods) * 1e6)
+    return {p: round(statistics.median(ts), 2) for p, ts in times.items()}
+
+
+def hold_int8w_rows(model) -> dict[str, dict]:
+    """Hold each Int8WeightLinear's compiled rows as measured faster here (see the module doc); returns
+    {"int8w NxK": {"path": "int8" | "float16", "us_per_call": {...}}}, empty without int8w linears or a compiler."""
+    shapes: dict[tuple[int, int], list[Int8WeightLinear]] = {}
+    for mod in model.modules():
+        if isinstance(mod, Int8WeightLinear):
+            shapes.setdefault(tuple(mod.q.shape), []).append(mod)
+    if not shapes or not (compile_wanted() and compile_works()):
+        return {}
+    plan = {}
+    for (n, k), mods in shapes.items():
+        def measure(mods=mods) -> dict:
+            us = time_rows(mods)
+            return dict(path="float16" if us["float16"] < (1 - MIN_GAIN) * us["int8"] else "int8", us_per_call=us)
+
+        hit = plan[f"int8w {n}x{k}"] = cached_choice(f"int8w rows {n}x{k} int8,float16", measure)
+        for m in mods:
+            if hit["path"] == "float16":
+                m.hold_rows_as_half()
+    return plan

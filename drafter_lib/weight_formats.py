@@ -108,7 +108,8 @@ class Int8WeightLinear(nn.Module):
     engine's short steps, alone or batched) the product is a reduction inductor fuses with the int8 -> fp32
     conversion, so it reads the int8 rows, a quarter of fp32's bytes (or the same integers as fp16 where that loop
     is faster, `int8w_rows.py`); eagerly (long prefills, or where the steps
-    stay eager) it multiplies by the dequantized weight held beside them (the same values, fp32).
+    stay eager) it multiplies by the dequantized weight held beside them (the same values, fp32), or, with the rows
+    held as fp16, by the rows upcast per call, then scales.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):

@@ -296,7 +296,7 @@ def test_int8w_holds_int8_rows_with_fp32_activations(cache_dir, monkeypatch):
     check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype="int8w"))
 
 
-def test_int8w_compiled_rows_as_fp16_draft_the_same_bits(cache_dir, monkeypatch):
+def test_int8w_compiled_rows_as_fp16_draft_the_same_tokens(cache_dir, monkeypatch):
     """int8w_rows: where inductor's int8 -> fp32 loop is slow the compiled steps read the same integers as fp16; the
     products are the same (inductor may sum them in another order: last bits), so the drafts are the same and their
     probabilities agree to fp32 rounding. The choice is measured once per shape and cached."""

@@ -19,6 +19,7 @@ most). The choice is timed once per machine and head shape and cached with the k
 """
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 
@@ -75,13 +76,14 @@ def hold_head(head) -> dict:
         return dict(path="logits")
     if not (compile_wanted() and compile_works()):
         return dict(path="int8", reason="SPECDRAFT_COMPILE=0 or no working compiler")
-    half = HalfApprox(head.q, head.scale)
+    # the fp16 copy is built only to be timed or held: a cached int8 choice never builds it
+    half = functools.cache(lambda: HalfApprox(head.q, head.scale))
 
     def measure() -> dict:
-        us = _time_head(head, half)
+        us = _time_head(head, half())
         faster = us["float16+compile"] < (1 - MIN_GAIN) * us["int8"]
         return dict(path="float16+compile" if faster else "int8", us_per_call=us)
 
     hit = cached_choice(f"head {head.q.shape[0]}x{head.q.shape[1]} int8,float16+compile", measure)
-    head.approx = half if hit["path"] == "float16+compile" else None
+    head.approx = half() if hit["path"] == "float16+compile" else None
     return hit

@@ -20,12 +20,10 @@ most). The choice is timed once per machine and head shape and cached with the k
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 import torch
 
-from .kernels import MIN_GAIN, ROUNDS, _compiled_gemv, cached_choice, compile_wanted, compile_works
+from .kernels import MIN_GAIN, ROUNDS, _compiled_gemv, cached_choice, compile_wanted, compile_works, interleaved_median
 from .weight_formats import Int8Head
 
 __all__ = ["HalfApprox", "hold_head"]
@@ -55,18 +53,17 @@ def _time_head(head: Int8Head, half: HalfApprox, rounds: int = ROUNDS, calls: in
     """Microseconds per one-row greedy token with its probability (approximate logits + exact argmax), per path,
     interleaved round by round; the median round counts."""
     x = torch.randn(calls, head.q.shape[1], generator=torch.Generator().manual_seed(0))
-    paths = {"int8": None, "float16+compile": half}
-    times = {p: [] for p in paths}
-    for r in range(rounds + 1):  # round 0 warms up (and compiles)
-        for p in list(paths)[r % 2:] + list(paths)[:r % 2]:
-            head.approx = paths[p]
-            t = time.perf_counter()
+
+    def tokens_with(approx):
+        def run():
+            head.approx = approx
             for row in x:
                 head.exact_argmax(row[None], *head.approx_logits(row[None], parts=3))
-            if r:
-                times[p].append((time.perf_counter() - t) / calls * 1e6)
+        return run
+
+    secs = interleaved_median({"int8": tokens_with(None), "float16+compile": tokens_with(half)}, rounds)
     head.approx = None
-    return {p: round(statistics.median(ts), 1) for p, ts in times.items()}
+    return {p: round(t / calls * 1e6, 1) for p, t in secs.items()}
 
 
 def hold_head(head) -> dict:

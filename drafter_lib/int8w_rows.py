@@ -14,12 +14,10 @@ also serve eager calls (upcast per call, then scaled), and the fp32 copy beside 
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 import torch
 
-from .kernels import MIN_GAIN, ROUNDS, cached_choice, compile_wanted, compile_works
+from .kernels import MIN_GAIN, ROUNDS, cached_choice, compile_wanted, compile_works, interleaved_median
 from .weight_formats import Int8WeightLinear
 
 __all__ = ["hold_int8w_rows", "time_rows"]
@@ -39,17 +37,14 @@ def time_rows(mods: list[Int8WeightLinear], rounds: int = ROUNDS) -> dict[str, f
     """Microseconds per one-row compiled call, int8 rows vs fp16 rows, over `mods` (one shape) back to back,
     interleaved round by round; the median round counts."""
     gemv = _compiled_rows_gemv()
-    rows = {"int8": [m.q for m in mods], "float16": [m.q.half() for m in mods]}
     x = torch.randn(1, mods[0].in_features, generator=torch.Generator().manual_seed(0))
-    times = {p: [] for p in rows}
-    for r in range(rounds + 1):  # round 0 warms up (and compiles)
-        for p in list(rows)[r % 2:] + list(rows)[:r % 2]:
-            t = time.perf_counter()
-            for m, q in zip(mods, rows[p]):
-                gemv(x, q, m.scale)
-            if r:
-                times[p].append((time.perf_counter() - t) / len(mods) * 1e6)
-    return {p: round(statistics.median(ts), 2) for p, ts in times.items()}
+
+    def over_all(rows):
+        return lambda: [gemv(x, q, m.scale) for m, q in zip(mods, rows)]
+
+    secs = interleaved_median({"int8": over_all([m.q for m in mods]),
+                               "float16": over_all([m.q.half() for m in mods])}, rounds)
+    return {p: round(t / len(mods) * 1e6, 2) for p, t in secs.items()}
 
 
 def hold_int8w_rows(model) -> dict[str, dict]:

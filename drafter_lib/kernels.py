@@ -54,9 +54,9 @@ from .io_utils import read_json, write_json
 from .model import Linear
 from .weight_formats import Int8DynLinear, Int8Head, Int8WeightLinear, hold_linear, hold_table_rows, linears
 
-__all__ = ["PATHS", "APPROXIMATE", "candidate_paths", "time_paths", "choose_paths", "hold_measured", "machine_key",
-           "cache_file", "cached_choice", "cpu_model", "decode_read_bytes", "CompiledGemvLinear", "compile_works",
-           "hold_step", "time_step"]
+__all__ = ["PATHS", "APPROXIMATE", "candidate_paths", "interleaved_median", "time_paths", "choose_paths",
+           "hold_measured", "machine_key", "cache_file", "cached_choice", "cpu_model", "decode_read_bytes",
+           "CompiledGemvLinear", "compile_works", "hold_step", "time_step"]
 
 PATHS = ("float32", "float16", "float16+compile", "bfloat16", "int8")
 APPROXIMATE = ("bfloat16", "int8")
@@ -135,6 +135,21 @@ def _held_copy(weight: torch.Tensor, path: str) -> nn.Module:
     return hold_path(holder, "lin", holder.lin, path)
 
 
+def interleaved_median(candidates: dict, rounds: int = ROUNDS) -> dict[str, float]:
+    """Seconds per call of each candidate (a no-argument callable): a warm-up round (which also compiles), then
+    `rounds` timed rounds, the candidates' order rotated each round so none always runs first or after the same
+    one (these machines are noisy: side by side, never one after the other); the median round counts."""
+    names = list(candidates)
+    times = {n: [] for n in names}
+    for r in range(rounds + 1):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            t = time.perf_counter()
+            candidates[n]()
+            if r:
+                times[n].append(time.perf_counter() - t)
+    return {n: statistics.median(ts) for n, ts in times.items()}
+
+
 @torch.inference_mode()
 def time_paths(weights: list[torch.Tensor], paths: list[str], rounds: int = ROUNDS) -> dict[str, float]:
     """Seconds per one-row call of each path over `weights` (fp32, one shape): the median of `rounds` passes over
@@ -149,15 +164,12 @@ def time_paths(weights: list[torch.Tensor], paths: list[str], rounds: int = ROUN
             ws = casts.setdefault(_DTYPE[p], [w.to(_DTYPE[p]) for w in weights]) if p != "int8" else weights
         mods[p] = [_held_copy(w, p) for w in ws]
     x = torch.randn(1, 1, weights[0].shape[1], generator=torch.Generator().manual_seed(0))
-    times = {p: [] for p in paths}
-    for r in range(rounds + 1):  # round 0 warms up (and compiles)
-        for p in paths[r % len(paths):] + paths[:r % len(paths)]:
-            t = time.perf_counter()
-            for m in mods[p]:
-                m(x)
-            if r:
-                times[p].append((time.perf_counter() - t) / len(weights))
-    return {p: statistics.median(ts) for p, ts in times.items()}
+
+    def over_all(ms):
+        return lambda: [m(x) for m in ms]
+
+    secs = interleaved_median({p: over_all(mods[p]) for p in paths}, rounds)
+    return {p: t / len(weights) for p, t in secs.items()}
 
 
 def _fastest(us: dict[str, float]) -> str:
@@ -206,30 +218,24 @@ def choose_paths(shapes: dict[tuple[int, int], list[torch.Tensor]], approximate:
     """{"NxK": {"path": chosen, "us_per_call": {path: microseconds}}} for each shape's weights: from the cache
     when this machine key has timed this shape with these candidates, else timed now and cached."""
     paths = candidate_paths(approximate)
-    path = cache_file()
-    doc = _read_cache(path)
-    entry = doc.setdefault(machine_key(), {})
-    plan, changed = {}, False
+    plan = {}
     for (n, k), ws in shapes.items():
-        key = f"{n}x{k} " + ",".join(paths)
-        hit = entry.get(key)
-        if not (isinstance(hit, dict) and hit.get("path") in paths):
+        def measure(ws=ws) -> dict:
             us = {p: round(t * 1e6, 2) for p, t in time_paths(ws, paths).items()}
-            hit = entry[key] = dict(path=_fastest(us), us_per_call=us)
-            changed = True
-        plan[f"{n}x{k}"] = hit
-    if changed:
-        _write_cache(path, doc)
+            return dict(path=_fastest(us), us_per_call=us)
+
+        plan[f"{n}x{k}"] = cached_choice(f"{n}x{k} " + ",".join(paths), measure, paths)
     return plan
 
 
-def cached_choice(key: str, measure) -> dict:
-    """This machine's cached entry `key`, else `measure()`'s result (a dict with a "path"), cached."""
+def cached_choice(key: str, measure, choices=None) -> dict:
+    """This machine's cached entry `key` (a dict whose "path" is one of `choices`, if given), else `measure()`'s
+    result (such a dict), cached. A failing `measure` caches nothing."""
     path = cache_file()
     doc = _read_cache(path)
     entry = doc.setdefault(machine_key(), {})
     hit = entry.get(key)
-    if not (isinstance(hit, dict) and "path" in hit):
+    if not (isinstance(hit, dict) and "path" in hit and (choices is None or hit["path"] in choices)):
         hit = entry[key] = measure()
         _write_cache(path, doc)
     return hit
@@ -298,18 +304,17 @@ def time_step(model, step, context: int = STEP_CONTEXT, rounds: int = ROUNDS, ca
     model.hidden(torch.randint(0, model.config.vocab_size, (1, context), generator=g), torch.arange(context)[None],
                  cache)
     ids, pos = torch.randint(0, model.config.vocab_size, (1, 1), generator=g), torch.tensor([[context]])
-    steps = {"eager": None, "compiled": step}
-    times = {name: [] for name in steps}
-    for r in range(rounds + 1):  # round 0 warms up
-        for name in list(steps)[r % 2:] + list(steps)[:r % 2]:
-            model.compiled_step = steps[name]
-            t = time.perf_counter()
+
+    def steps_with(compiled):
+        def run():
+            model.compiled_step = compiled
             for _ in range(calls):
                 model.hidden(ids, pos, cache)
-            if r:
-                times[name].append((time.perf_counter() - t) / calls * 1e3)
+        return run
+
+    secs = interleaved_median({"eager": steps_with(None), "compiled": steps_with(step)}, rounds)
     model.compiled_step = None
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: t / calls * 1e3 for name, t in secs.items()}
 
 
 def _step_key(model, plan: dict) -> str:
@@ -328,28 +333,23 @@ def hold_step(model, plan: dict) -> dict:
     failure leaves the step eager, with a warning. Returns {"path": "compiled" | "eager", "ms_per_step": {...}}."""
     if not compile_wanted():
         return dict(path="eager", reason="SPECDRAFT_COMPILE=0 or no C++ compiler")
-    path = cache_file()
-    doc = _read_cache(path)
-    entry = doc.setdefault(machine_key(), {})
-    key = _step_key(model, plan)
-    hit = entry.get(key)
-    cached = isinstance(hit, dict) and hit.get("path") in ("compiled", "eager")
-    if cached and hit["path"] == "eager":
-        return hit
+    timed = []  # the step measure() compiled and timed (its graphs are traced already)
+
+    def measure() -> dict:
+        timed.append(_compile_step(model))
+        ms = {name: round(t, 3) for name, t in time_step(model, timed[0]).items()}
+        return dict(path="compiled" if ms["compiled"] < (1 - MIN_GAIN) * ms["eager"] else "eager", ms_per_step=ms)
+
     try:
-        step = _compile_step(model)
-        if cached:
-            _warm_step(model, step)
-            return hit
-        ms = {name: round(t, 3) for name, t in time_step(model, step).items()}
+        hit = cached_choice(_step_key(model, plan), measure, ("compiled", "eager"))
+        if hit["path"] == "compiled" and not timed:
+            timed.append(_compile_step(model))
+            _warm_step(model, timed[0])
     except Exception as e:  # noqa: BLE001 - any compiler failure keeps the eager step
         model.compiled_step = None
         warnings.warn(f"torch.compile of the cached step failed, it stays eager: {e}", stacklevel=2)
         return dict(path="eager", reason=f"compile failed: {type(e).__name__}")
-    hit = entry[key] = dict(path="compiled" if ms["compiled"] < (1 - MIN_GAIN) * ms["eager"] else "eager",
-                            ms_per_step=ms)
-    model.compiled_step = step if hit["path"] == "compiled" else None
-    _write_cache(path, doc)
+    model.compiled_step = timed[0] if hit["path"] == "compiled" else None
     return hit
 
 

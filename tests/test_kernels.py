@@ -37,6 +37,23 @@ def count_timings(monkeypatch, prefer: str | None = None) -> list:
     return calls
 
 
+def test_interleaved_median_rotates_the_order_and_drops_the_warm_up_round(monkeypatch):
+    clock = iter(range(10_000))  # a fake clock: every perf_counter() call advances one second
+    monkeypatch.setattr(kernels.time, "perf_counter", lambda: next(clock))
+    order, costs = [], {"a": [50, 1, 1, 9, 1], "b": [3, 3, 3, 3, 3], "c": [0, 2, 7, 2, 2]}  # extra ticks per call
+
+    def candidate(name):
+        def run():
+            order.append(name)
+            for _ in range(costs[name][sum(n == name for n in order) - 1]):
+                kernels.time.perf_counter()
+        return run
+
+    secs = kernels.interleaved_median({n: candidate(n) for n in costs}, rounds=4)
+    assert order == list("abc" "bca" "cab" "abc" "bca")  # warm-up round, then each round starts one further on
+    assert secs == {"a": 2, "b": 4, "c": 3}  # median of rounds 1-4 (each call: its ticks + 1); a's 50 is dropped
+
+
 def test_choice_is_measured_once_then_read_from_the_cache(hf, cache_dir, monkeypatch):
     calls = count_timings(monkeypatch)
     first = make_engine(hf, dtype="auto")

@@ -2,11 +2,12 @@
 
     python bench/speculative.py [--model-dir model] [--prompts FILE] [--n 12] [--max-new-tokens 256]
                                 [--k 1 2 4 8 16] [--min-confidence 0.3 ...] [--dynamic-k 16 ...]
-                                [--targets hf hf-stock native]
+                                [--targets hf hf-torch-linears hf-stock native]
                                 [--drafters engine http] [--engine-dtypes auto auto-approx] [--no-assisted]
                                 [--json OUT]
 
-Targets: the default teacher (SmolLM2-135M-Instruct) as a transformers fp32 model and as the hand-written decoder.
+Targets: the default teacher (SmolLM2-135M-Instruct) as a transformers fp32 model and as the hand-written decoder
+(each with its linears chosen by measurement, `target_linears.py`; `hf-torch-linears` and `hf-stock` keep torch's).
 Drafters: the packed drafter in process (`DraftEngine`), and over HTTP through `serve.sh` on 127.0.0.1. Every row
 is checked lossless (its tokens equal the target's plain greedy tokens) and says where the time went (draft vs
 verify). Rows run interleaved, prompt by prompt, so the machine's drift weighs on all of them alike. Before
@@ -41,10 +42,12 @@ def make_parser() -> argparse.ArgumentParser:
                     help="dynamic draft length thresholds")
     ap.add_argument("--dynamic-k", type=int, nargs="+", default=[16],
                     help="the most tokens a dynamic draft may have (one row per cap and threshold)")
-    ap.add_argument("--targets", nargs="+", default=["hf", "native"], choices=["hf", "hf-stock", "native"],
-                    help="hf: transformers fp32 (sdpa keeping grouped K/V heads in the kernel, see HFTarget); "
-                         "hf-stock: the same with transformers' default repeat_kv copies; native: the hand-written "
-                         "decoder")
+    ap.add_argument("--targets", nargs="+", default=["hf", "native"],
+                    choices=["hf", "hf-torch-linears", "hf-stock", "native"],
+                    help="hf: transformers fp32 (sdpa keeping grouped K/V heads in the kernel, linears packed for "
+                         "oneDNN where measured faster, see HFTarget); hf-torch-linears: the same with torch's own "
+                         "linears; hf-stock: transformers as it comes (repeat_kv copies, torch's linears); native: the "
+                         "hand-written decoder (its linears measured like hf's)")
     ap.add_argument("--drafters", nargs="+", default=["engine", "http"], choices=["engine", "http"])
     ap.add_argument("--engine-dtypes", nargs="+", default=[None], metavar="DTYPE",
                     help="in-process engine weight modes compared side by side (default: the model dir's own)")
@@ -153,7 +156,7 @@ def assisted_rows(hf, assistant, prompts, max_new, stop) -> tuple[dict, dict]:
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['target']:18} {r['drafter']:34} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {r.get('mal', 1.0):5.2f} "
+    print(f"{r['target']:22} {r['drafter']:34} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {r.get('mal', 1.0):5.2f} "
           f"{r.get('draft_s', 0):8.1f} {r.get('verify_s', r['seconds']):8.1f} {str(r['lossless']):>8}", flush=True)
 
 
@@ -190,14 +193,18 @@ def main(argv=None) -> list[dict]:
     targets = {}
     if "hf" in args.targets:
         targets["transformers fp32"] = HFTarget(hf)
+    if "hf-torch-linears" in args.targets:
+        targets["transformers unpacked"] = HFTarget(hf, linears="stock")
     if "hf-stock" in args.targets:
-        targets["transformers stock"] = HFTarget(hf, gqa_kernel=False)
+        targets["transformers stock"] = HFTarget(hf, gqa_kernel=False, linears="stock")
     if "native" in args.targets:
         sd = {k: v.detach().float() for k, v in hf.state_dict().items()}
         targets["hand-written fp32"] = NativeTarget(Transformer.from_hf(hf.config.to_dict(), sd).float().eval())
 
+    for tname, target in targets.items():
+        print(f"{tname}: linears {target.linears}")
     rows = []
-    header = (f"{'target':18} {'drafter':34} {'tok/s':>7} {'speedup':>7} {'MAL':>5} {'draft s':>8} {'verify s':>8} "
+    header = (f"{'target':22} {'drafter':34} {'tok/s':>7} {'speedup':>7} {'MAL':>5} {'draft s':>8} {'verify s':>8} "
               f"{'lossless':>8}")
     print(header)
     try:
@@ -212,7 +219,7 @@ def main(argv=None) -> list[dict]:
                                   {"plain greedy": (None, 0), **drafters})
             plain = res.pop("plain greedy")
             mine = [{"target": tname, "drafter": "plain greedy", **plain, "speedup": 1.0, "lossless": True,
-                     "costs": costs}]
+                     "costs": costs, "linears": target.linears}]
             mine += [{"target": tname, "drafter": dname, **r, "speedup": r["tok_s"] / plain["tok_s"],
                       "lossless": r["outputs"] == plain["outputs"]} for dname, r in res.items()]
             for r in mine:
@@ -236,7 +243,7 @@ def main(argv=None) -> list[dict]:
             rows += [{"target": "transformers generate", "drafter": "plain greedy", **plain, "speedup": 1.0,
                       "lossless": True}, r]
             for r in rows[-2:]:
-                print(f"{r['target']:18} {r['drafter']:34} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {'':5} {'':8} "
+                print(f"{r['target']:22} {r['drafter']:34} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {'':5} {'':8} "
                       f"{r['seconds']:8.1f} {str(r['lossless']):>8}", flush=True)
     finally:
         if proc is not None:

@@ -215,7 +215,8 @@ def verify_greedy(model: Transformer, context: Sequence[int], draft: Sequence[in
         cached_len = 0
     elif not 0 <= cached_len <= len(context):
         raise ValueError(f"cached_len {cached_len} outside [0, {len(context)}]")
-    # the logits at the last context position are needed, so that token is always (re)computed
-    target = NativeTarget(model, cache, min(cached_len, len(context) - 1))
+    # the logits at the last context position are needed, so that token is always (re)computed; one pass does not
+    # repay packing the weights (target_linears.py)
+    target = NativeTarget(model, cache, min(cached_len, len(context) - 1), linears="stock")
     choices = target.score(seq[target.cached_len:], keep=len(draft) + 1).argmax(-1).tolist()
     return accepted_length(draft, choices), choices

@@ -27,6 +27,7 @@ import torch
 from .draft_vocab import full_vocab_logits
 from .io_utils import check_token_ids
 from .model import KVCache, Transformer
+from .target_linears import hold_linears
 
 # ---------------------------------------------------------------------------------------------------- the rule
 
@@ -112,9 +113,13 @@ class HFTarget:
     step runs with transformers' own switch for it (`TRANSFORMERS_SDPA_FORCE_GQA=1`, set only around this target's
     forward passes). At 400 tokens of context a 3-token step of SmolLM2-135M cost 1.27 one-token steps with the
     copies and 1.17 without; one-token steps (plain decoding) lose nothing. Same attention math either way.
+
+    `linears` (default None: measured on a CPU fp32 model, `target_linears.py`): "packed" runs the linears through
+    oneDNN with the weights packed once, which keeps a few-token verify step near a one-token step's cost where
+    MKL's GEMM re-packs each weight per call; "stock" leaves them to torch. `self.linears` says what was held.
     """
 
-    def __init__(self, model, gqa_kernel: bool | None = None):
+    def __init__(self, model, gqa_kernel: bool | None = None, linears: str | None = None):
         self.model = model
         self.vocab_size = int(model.config.vocab_size)
         self.device = next(model.parameters()).device
@@ -124,6 +129,7 @@ class HFTarget:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keep_kw = "logits_to_keep" if "logits_to_keep" in params else None
         self.reset()
+        self.linears = hold_linears(self, model, linears)  # sets self.packed
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -140,7 +146,7 @@ class HFTarget:
         if keep and self._keep_kw:
             kw[self._keep_kw] = keep
         ids = torch.tensor([list(new_tokens)], dtype=torch.long, device=self.device)
-        with _env(_FORCE_GQA, "1" if self.gqa_kernel else None):
+        with _env(_FORCE_GQA, "1" if self.gqa_kernel else None), _installed(self.packed):
             logits = self.model(input_ids=ids, use_cache=True, **kw).logits[0]
         logits = (logits[-keep:] if keep else logits).float()
         # a drafter with a reduced draft-vocabulary head (greedy references of it) still speaks full-vocabulary ids
@@ -155,6 +161,10 @@ class HFTarget:
 
 
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+def _installed(packed):
+    return contextlib.nullcontext() if packed is None else packed.installed()
 
 
 @contextlib.contextmanager
@@ -178,12 +188,14 @@ class NativeTarget:
     """The hand-written `Transformer` with a one-row `KVCache`. Rolling back only moves the length: slots past it
     are overwritten before they are read, because attention is causal by position."""
 
-    def __init__(self, model: Transformer, cache: KVCache | None = None, cached_len: int = 0, chunk: int = 512):
+    def __init__(self, model: Transformer, cache: KVCache | None = None, cached_len: int = 0, chunk: int = 512,
+                 linears: str | None = None):
         self.model = model.eval()
         self.vocab_size = int(model.config.vocab_size)
-        self.cache = cache
-        self.cached_len = cached_len
         self.chunk = chunk  # bounds the [T, L] attention scratch of a long prompt
+        self.cache, self.cached_len = None, 0  # timing the linears (as HFTarget's) runs its own sequence first
+        self.linears = hold_linears(self, model, linears)
+        self.cache, self.cached_len = cache, cached_len
 
     def reset(self) -> None:
         self.cached_len = 0
@@ -201,13 +213,15 @@ class NativeTarget:
         kept = []
         for s in range(0, total, self.chunk):
             e = min(s + self.chunk, total)
-            h = self.model.hidden(ids[:, s:e], torch.arange(start + s, start + e)[None], self.cache)
+            with _installed(self.packed):
+                h = self.model.hidden(ids[:, s:e], torch.arange(start + s, start + e)[None], self.cache)
             lo = max(total - keep - s, 0)
             if lo < e - s:
                 kept.append(h[0, lo:])
         self.cached_len = end
         self.cache.lengths[0] = end
-        logits = self.model.lm_head(torch.cat(kept)).float()
+        with _installed(self.packed):
+            logits = self.model.lm_head(torch.cat(kept)).float()
         return full_vocab_logits(logits, self.model.draft_vocab_ids, self.vocab_size)
 
     def rollback(self, n: int) -> None:

@@ -9,6 +9,8 @@ import torch
 # user's ~/.cache, and without the compiled path (seconds of compiling per shape); tests that want it set it.
 os.environ["SPECDRAFT_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdraft-test-cache-")
 os.environ["SPECDRAFT_COMPILE"] = "0"
+# Targets keep torch's own linears unless a test asks (a measured choice would make their bits depend on timing).
+os.environ["SPECDRAFT_TARGET_LINEARS"] = "stock"
 
 # The tiny Llama the quantization and packing tests share: group sizes 32/64 divide its 64/128 dims.
 TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -14,7 +14,8 @@ way, interleaved; `kernels.interleaved_median`) and cached with the engine's ker
 path is kept only where it verifies faster and its one-token step (plain decoding's) is no slower, so plain decoding
 never gets slower and a speedup over it stays a fair one. The packed copies are the target's own: they stand in for
 its `nn.Linear` modules only inside its forward passes (`PackedLinears.installed`), so a model shared with anything
-else (transformers' own `generate`) runs as it was. They cost a second copy of the linear weights in memory.
+else (transformers' own `generate`) runs as it was. They cost a second copy of the linear weights in memory, so
+none is made where it would take over half the memory free at load (a large fp32 target stays on torch's linears).
 `SPECDRAFT_TARGET_LINEARS` ("packed" | "stock") sets what a target not told otherwise holds, unmeasured.
 """
 from __future__ import annotations
@@ -79,7 +80,18 @@ def packing_unavailable(model: nn.Module) -> str | None:
         return "no nn.Linear modules"
     if any(m.weight.device.type != "cpu" or m.weight.dtype != torch.float32 for m in lins):
         return "not an fp32 model on the CPU"
+    need, free = sum(m.weight.numel() * 4 for m in lins), _free_bytes()
+    if free is not None and need > free // 2:  # the copy must leave room for everything else
+        return f"a packed copy of its {need / 2**30:.1f} GiB of linear weights would take over half the free memory"
     return None
+
+
+def _free_bytes() -> int | None:
+    """Memory available now (Linux), or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def _cache_key(model: nn.Module) -> str:

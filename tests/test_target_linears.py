@@ -107,6 +107,10 @@ def test_env_and_bad_values(models, monkeypatch):
         HFTarget(half, linears="packed")
     monkeypatch.delenv("SPECDRAFT_TARGET_LINEARS")
     assert HFTarget(half).linears == {"path": "stock", "reason": "not an fp32 model on the CPU"}
+    # a packed copy that would take over half the free memory is not built, not even to be timed
+    monkeypatch.setattr(target_linears, "_free_bytes", lambda: 1_000)
+    monkeypatch.setattr(target_linears, "PackedLinears", lambda *a: pytest.fail("packed anyway"))
+    assert "free memory" in HFTarget(hf).linears["reason"] and HFTarget(hf).packed is None
 
 
 def test_a_real_measurement_is_recorded_and_cached(models, measured):

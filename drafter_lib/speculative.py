@@ -211,17 +211,16 @@ class NativeTarget:
             self.cache.grow(max(end, 2 * self.cache.capacity))  # amortise the copy over many steps
         ids = torch.tensor(list(new_tokens), dtype=torch.long)[None]
         kept = []
-        for s in range(0, total, self.chunk):
-            e = min(s + self.chunk, total)
-            with _installed(self.packed):
+        with _installed(self.packed):
+            for s in range(0, total, self.chunk):
+                e = min(s + self.chunk, total)
                 h = self.model.hidden(ids[:, s:e], torch.arange(start + s, start + e)[None], self.cache)
-            lo = max(total - keep - s, 0)
-            if lo < e - s:
-                kept.append(h[0, lo:])
+                lo = max(total - keep - s, 0)
+                if lo < e - s:
+                    kept.append(h[0, lo:])
+            logits = self.model.lm_head(torch.cat(kept)).float()
         self.cached_len = end
         self.cache.lengths[0] = end
-        with _installed(self.packed):
-            logits = self.model.lm_head(torch.cat(kept)).float()
         return full_vocab_logits(logits, self.model.draft_vocab_ids, self.vocab_size)
 
     def rollback(self, n: int) -> None:

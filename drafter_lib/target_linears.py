@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from .kernels import MIN_GAIN, cached_choice, interleaved_median
+from .weight_formats import linears as linear_slots
 
 __all__ = ["VERIFY_ROWS", "PackedLinear", "PackedLinears", "packing_unavailable", "hold_linears"]
 
@@ -55,8 +56,7 @@ class PackedLinears:
     """Packed copies of every nn.Linear of `model`, put in their places only inside `installed()`."""
 
     def __init__(self, model: nn.Module, rows: int = VERIFY_ROWS):
-        self.slots = [(parent, name, child) for parent in model.modules()
-                      for name, child in parent.named_children() if isinstance(child, nn.Linear)]
+        self.slots = linear_slots(model)
         with torch.no_grad():
             self.packed = [PackedLinear(child, rows) for _, _, child in self.slots]
 
@@ -75,7 +75,7 @@ def packing_unavailable(model: nn.Module) -> str | None:
     """Why `model`'s linears cannot take the packed path (None: they can)."""
     if not torch.backends.mkldnn.is_available():
         return "this torch has no oneDNN (mkldnn)"
-    lins = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    lins = [m for _, _, m in linear_slots(model)]
     if not lins:
         return "no nn.Linear modules"
     if any(m.weight.device.type != "cpu" or m.weight.dtype != torch.float32 for m in lins):
@@ -95,7 +95,7 @@ def _free_bytes() -> int | None:
 
 
 def _cache_key(model: nn.Module) -> str:
-    lins = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    lins = [m for _, _, m in linear_slots(model)]
     shapes = " ".join(f"{n}x{k}" for n, k in sorted({tuple(m.weight.shape) for m in lins}))
     return f"target linears {type(model).__name__} {len(lins)} [{shapes}]"
 

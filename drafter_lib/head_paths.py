@@ -12,6 +12,10 @@ drafted token's probability when a request asks for it (a dynamic draft's thresh
   The bound is rigorous: each row's actual fp16 rounding error (its 2-norm, computed at load) times the hidden
   row's 2-norm (Cauchy-Schwarz), plus fp32 summation error in both this sum and the exact pass.
 
+- "float16+kernel": the same fp16 copy and bound, multiplied by the half-rows kernel (`half_rows.py`), which reads it
+  once for all the rows of a batched step where the compiled GEMV reads it once per row; kept where a batch of
+  `half_rows.BATCH_ROWS` rows is faster and one row no slower (`half_rows.prefer_kernel`).
+
 Either way the argmax is the exact one and a row's result does not depend on the other rows of the call (the
 fp16 path runs the same one-row kernel per row), so drafts stay the same whatever the batch or cache state. The
 probabilities differ between the paths by far less than a threshold's resolution (fp16 logits are off by ~1e-3 at
@@ -23,6 +27,7 @@ import functools
 
 import torch
 
+from .half_rows import BATCH_ROWS, block_rows, half_rows_mm, kernel_rule, kernel_unavailable, prefer_kernel
 from .kernels import MIN_GAIN, ROUNDS, _compiled_gemv, cached_choice, compile_wanted, compile_works, interleaved_median
 from .weight_formats import Int8Head
 
@@ -32,7 +37,8 @@ __all__ = ["HalfApprox", "hold_head"]
 class HalfApprox:
     """Approximate logits of an int8-row head from an fp16 copy of its rows, with a per-row error bound."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, kernel: bool = False):
+        self.kernel = kernel  # all rows in one half-rows kernel call, else one compiled GEMV call per row
         w = q.float() * scale  # the fp32 weights the exact pass multiplies by
         self.w16 = w.half()
         k = w.shape[1] + 1
@@ -40,30 +46,37 @@ class HalfApprox:
         err = (w.double() - self.w16.double()).norm(dim=1)
         # |approx - exact fp32 logit| <= |x| (|w - w16| + gamma |w16| + gamma |w|); 1 % covers float64 rounding
         self.coef = (err + 2.01 * gamma * w.double().norm(dim=1)) * 1.01
+        self.ones = torch.ones(w.shape[0])
+        if kernel:  # the kernel's blocked layout of the same fp16 values
+            self.w16 = block_rows(self.w16)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float64 logits [M, V] of hidden rows x [M, H] fp32, the bound [M, V] on each one's error)."""
-        gemv = _compiled_gemv()
-        approx = torch.cat([gemv(row[None], self.w16) for row in x]).double()
+        if self.kernel:
+            approx = half_rows_mm(x, self.w16, self.ones).double()
+        else:
+            gemv = _compiled_gemv()
+            approx = torch.cat([gemv(row[None], self.w16) for row in x]).double()
         return approx, x.double().norm(dim=-1, keepdim=True) * self.coef
 
 
 @torch.inference_mode()
-def _time_head(head: Int8Head, half: HalfApprox, rounds: int = ROUNDS, calls: int = 5) -> dict[str, float]:
-    """Microseconds per one-row greedy token with its probability (approximate logits + exact argmax), per path,
-    interleaved round by round; the median round counts."""
-    x = torch.randn(calls, head.q.shape[1], generator=torch.Generator().manual_seed(0))
+def _time_head(head: Int8Head, approxes: dict, rounds: int = ROUNDS, calls: int = 5,
+               rows: int = 1) -> dict[str, float]:
+    """Microseconds per greedy token with its probability (approximate logits + exact argmax) in calls of `rows`
+    rows, per way to the approximate logits (None: int8), interleaved round by round; the median round counts."""
+    x = torch.randn(calls, rows, head.q.shape[1], generator=torch.Generator().manual_seed(0))
 
     def tokens_with(approx):
         def run():
             head.approx = approx
-            for row in x:
-                head.exact_argmax(row[None], *head.approx_logits(row[None], parts=3))
+            for r in x:
+                head.exact_argmax(r, *head.approx_logits(r, parts=3))
         return run
 
-    secs = interleaved_median({"int8": tokens_with(None), "float16+compile": tokens_with(half)}, rounds)
+    secs = interleaved_median({p: tokens_with(a) for p, a in approxes.items()}, rounds)
     head.approx = None
-    return {p: round(t / calls * 1e6, 1) for p, t in secs.items()}
+    return {p: round(t / calls / rows * 1e6, 1) for p, t in secs.items()}
 
 
 def hold_head(head) -> dict:
@@ -73,14 +86,23 @@ def hold_head(head) -> dict:
         return dict(path="logits")
     if not (compile_wanted() and compile_works()):
         return dict(path="int8", reason="SPECDRAFT_COMPILE=0 or no working compiler")
+    kernel = kernel_unavailable() is None
     # the fp16 copy is built only to be timed or held: a cached int8 choice never builds it
-    half = functools.cache(lambda: HalfApprox(head.q, head.scale))
+    half = functools.cache(lambda k: HalfApprox(head.q, head.scale, kernel=k))
 
     def measure() -> dict:
-        us = _time_head(head, half())
+        approxes = {"int8": None, "float16+compile": half(False)} | ({"float16+kernel": half(True)} if kernel else {})
+        us = _time_head(head, approxes)
+        if kernel:
+            batched = _time_head(head, approxes, rows=BATCH_ROWS)
+            if prefer_kernel(us, batched, "float16+kernel", MIN_GAIN, kernel_rule()):
+                return dict(path="float16+kernel", us_per_call=us, us_per_token_batched=batched)
+            us.pop("float16+kernel")
         faster = us["float16+compile"] < (1 - MIN_GAIN) * us["int8"]
         return dict(path="float16+compile" if faster else "int8", us_per_call=us)
 
-    hit = cached_choice(f"head {head.q.shape[0]}x{head.q.shape[1]} int8,float16+compile", measure)
-    head.approx = half() if hit["path"] == "float16+compile" else None
+    choices = ("int8", "float16+compile") + (("float16+kernel",) if kernel else ())
+    rule = f" rule={kernel_rule()}" if kernel else ""
+    hit = cached_choice(f"head {head.q.shape[0]}x{head.q.shape[1]} {','.join(choices)}{rule}", measure, choices)
+    head.approx = None if hit["path"] == "int8" else half(hit["path"] == "float16+kernel")
     return hit

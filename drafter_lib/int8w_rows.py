@@ -10,17 +10,37 @@ steps). Per weight shape, the engine times a one-row compiled GEMV over all of t
 each storage, keeps the faster (int8 unless fp16 wins by `kernels.MIN_GAIN`) and caches the choice with the other
 kernel paths; `kernels.hold_step` then times the step, eager against compiled, with it. Held as fp16, the rows
 also serve eager calls (upcast per call, then scaled), and the fp32 copy beside them is dropped.
+
+Then, where the half-rows kernel builds (`half_rows.py`), the whole compiled step decides between the loops above
+and the kernel on the same fp16 values (blocked, q/k/v and gate/up fused into one call each): a copy of the model
+held for the kernel and the model as chosen above each compile their steps, and one-row and
+`half_rows.BATCH_ROWS`-row steps are timed interleaved. The kernel reads a batch's weights once where inductor's
+loop reads them again per row, but each call costs a dispatch and cannot fuse with its neighbours, so only a
+whole step tells; it is kept where batched steps are faster and one-row steps no slower (`half_rows.prefer_kernel`),
+cached under the model's shape and the rule (`SPECDRAFT_HALF_ROWS=batched` keeps it wherever batches gain).
 """
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
 
-from .kernels import MIN_GAIN, ROUNDS, cached_choice, compile_wanted, compile_works, interleaved_median
+from .half_rows import BATCH_ROWS, fuse_projections, kernel_rule, kernel_unavailable, prefer_kernel
+from .kernels import (
+    MIN_GAIN,
+    ROUNDS,
+    STEP_CONTEXT,
+    _compile_step,
+    _warm_step,
+    cached_choice,
+    compile_wanted,
+    compile_works,
+    interleaved_median,
+)
 from .weight_formats import Int8WeightLinear
 
-__all__ = ["hold_int8w_rows", "time_rows"]
+__all__ = ["hold_int8w_rows", "hold_kernel_rows", "time_rows", "time_steps"]
 
 
 def _rows_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -66,4 +86,52 @@ def hold_int8w_rows(model) -> dict[str, dict]:
         for m in mods:
             if hit["path"] == "float16":
                 m.hold_rows_as_half()
+    if kernel_unavailable() is None:
+        c = model.config
+        key = (f"int8w kernel step {c.arch} h{c.hidden_size} i{c.intermediate_size} L{c.num_hidden_layers} "
+               f"a{c.num_attention_heads}/{c.num_key_value_heads}x{c.head_dim} "
+               f"[{','.join(v['path'] for _, v in sorted(plan.items()))}] rule={kernel_rule()}")
+        step = cached_choice(key, lambda: _measure_kernel_step(model), ("kernel", "inductor"))
+        if step["path"] == "kernel":
+            hold_kernel_rows(model)
+            plan = {name: dict(path="kernel", inductor=v, step=step) for name, v in plan.items()}
     return plan
+
+
+def hold_kernel_rows(model) -> None:
+    """Every Int8WeightLinear's compiled steps multiply with the half-rows kernel, q/k/v and gate/up fused."""
+    for mod in model.modules():
+        if isinstance(mod, Int8WeightLinear):
+            mod.hold_rows_as_half(kernel=True)
+    fuse_projections(model)
+
+
+@torch.inference_mode()
+def time_steps(models: dict, rows: int, context: int = STEP_CONTEXT, rounds: int = ROUNDS,
+               calls: int = 10) -> dict[str, float]:
+    """Milliseconds per one-token cached step of `rows` rows at `context` tokens, per model (its compiled step set),
+    interleaved round by round; the median round counts."""
+    runs = {}
+    for name, m in models.items():
+        g = torch.Generator().manual_seed(0)
+        cache = m.new_cache(rows, context + 1)
+        m.hidden(torch.randint(0, m.config.vocab_size, (rows, context), generator=g),
+                 torch.arange(context).repeat(rows, 1), cache)
+        ids, pos = torch.randint(0, m.config.vocab_size, (rows, 1), generator=g), torch.full((rows, 1), context)
+        runs[name] = lambda m=m, ids=ids, pos=pos, cache=cache: [m.hidden(ids, pos, cache) for _ in range(calls)]
+    return {name: round(t / calls * 1e3, 3) for name, t in interleaved_median(runs, rounds).items()}
+
+
+def _measure_kernel_step(model) -> dict:
+    """Compiled steps of `model` as held against a copy held for the kernel: one row and BATCH_ROWS rows."""
+    held = copy.deepcopy(model)
+    hold_kernel_rows(held)
+    models = {"inductor": model, "kernel": held}
+    try:
+        for m in models.values():
+            _warm_step(m, _compile_step(m))
+        one, batched = time_steps(models, 1), time_steps(models, BATCH_ROWS)
+    finally:
+        model.compiled_step = None
+    path = "kernel" if prefer_kernel(one, batched, "kernel", MIN_GAIN, kernel_rule()) else "inductor"
+    return dict(path=path, ms_per_step=one, ms_per_batched_step=batched)

@@ -213,12 +213,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv = None  # where the engine fuses q/k/v into one product (half_rows.FusedRows): that callable
 
     def forward(self, x, cos, sin, positions, mask, cache: KVCache | None, length: int = 0):
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.nh, self.hd)
-        k = self.k_proj(x).view(B, T, self.nkv, self.hd)
-        v = self.v_proj(x).view(B, T, self.nkv, self.hd)
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k, v = q.view(B, T, self.nh, self.hd), k.view(B, T, self.nkv, self.hd), v.view(B, T, self.nkv, self.hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
@@ -240,9 +240,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(h, i, bias=b)
         self.up_proj = Linear(h, i, bias=b)
         self.down_proj = Linear(i, h, bias=b)
+        self.gate_up = None  # where the engine fuses gate and up into one product (half_rows.FusedRows)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -122,16 +122,30 @@ class Int8WeightLinear(nn.Module):
         # what a compiled step reads: the int8 rows, or the same integers as fp16 where inductor converts those faster
         # (exact: |q| <= 127; the same products either way; int8w_rows.hold_int8w_rows)
         self.register_buffer("compiled_rows", q, persistent=False)
+        self.rows_kernel = False  # compiled steps call half_rows.half_rows_mm on the fp16 rows (int8w_rows.py)
         self.in_features, self.out_features = q.shape[1], q.shape[0]
 
-    def hold_rows_as_half(self):
-        """Both paths read the rows' integers as fp16 (exact), and the fp32 copy goes (int8w_rows.hold_int8w_rows)."""
-        self.compiled_rows, self.dequantized = self.q.half(), None
+    def hold_rows_as_half(self, kernel: bool = False):
+        """Both paths read the rows' integers as fp16 (exact), and the fp32 copy goes (int8w_rows.hold_int8w_rows);
+        `kernel`: compiled steps multiply them with the half-rows kernel instead of inductor's loop."""
+        from .half_rows import block_rows
+
+        self.compiled_rows, self.dequantized, self.rows_kernel = self.q.half(), None, kernel
+        if kernel:  # the kernel's blocked layout of the same fp16 values, instead of the plain one
+            self.compiled_rows = block_rows(self.compiled_rows)
 
     def forward(self, x):
+        from . import half_rows
+
         x = x.float()
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and self.rows_kernel:
+            y = half_rows.half_rows_mm(x.reshape(-1, self.in_features), self.compiled_rows, self.scale)
+            y = y.reshape(*x.shape[:-1], self.out_features)
+        elif torch.compiler.is_compiling():
             y = (x.unsqueeze(-2) * self.compiled_rows.float()).sum(-1) * self.scale
+        elif self.rows_kernel:  # blocked fp16 rows: laid out plainly and upcast per call (a long prefill's matmul)
+            y = F.linear(x, half_rows.unblock_rows(self.compiled_rows, self.out_features, self.in_features).float())
+            y = y * self.scale
         elif self.dequantized is None:  # rows held as fp16: upcast per call (a long prefill's matmul dwarfs it)
             y = F.linear(x, self.compiled_rows.float()) * self.scale
         else:

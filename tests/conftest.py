@@ -11,6 +11,9 @@ os.environ["SPECDRAFT_CACHE_DIR"] = tempfile.mkdtemp(prefix="specdraft-test-cach
 os.environ["SPECDRAFT_COMPILE"] = "0"
 # Targets keep torch's own linears unless a test asks (a measured choice would make their bits depend on timing).
 os.environ["SPECDRAFT_TARGET_LINEARS"] = "stock"
+# Nor does the engine build or time the half-rows kernel (a minute's build, and whole compiled steps timed); its
+# tests set "auto".
+os.environ["SPECDRAFT_HALF_ROWS"] = "0"
 
 # The tiny Llama the quantization and packing tests share: group sizes 32/64 divide its 64/128 dims.
 TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

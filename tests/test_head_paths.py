@@ -4,7 +4,7 @@ import pytest
 import torch
 from test_engine import check_same_draft_whatever_cache_and_batch
 
-from drafter_lib import head_paths
+from drafter_lib import half_rows, head_paths
 from drafter_lib.engine import DraftEngine
 from drafter_lib.kernels import compile_works
 from drafter_lib.weight_formats import Int8Head, int8_rows
@@ -12,17 +12,29 @@ from drafter_lib.weight_formats import Int8Head, int8_rows
 needs_compile = pytest.mark.skipif(not compile_works(), reason="inductor does not compile here")
 
 
-def half_head(rows=4096, cols=96, seed=0):
+def _kernel_builds() -> bool:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECDRAFT_COMPILE", "1")
+        mp.setenv("SPECDRAFT_HALF_ROWS", "auto")
+        return half_rows.kernel_unavailable() is None
+
+
+# the compiled GEMV per row, and the half-rows kernel over all rows where it builds
+WAYS = [False, pytest.param(True, marks=pytest.mark.skipif(not _kernel_builds(), reason="no half-rows kernel"))]
+
+
+def half_head(rows=4096, cols=96, seed=0, kernel=False):
     g = torch.Generator().manual_seed(seed)
     q, scale = int8_rows(torch.randn(rows, cols, generator=g) * 0.05)
     head = Int8Head(q, scale)
-    head.approx = head_paths.HalfApprox(q, scale)
+    head.approx = head_paths.HalfApprox(q, scale, kernel=kernel)
     return head, q.float() * scale, g
 
 
 @needs_compile
-def test_half_head_bound_holds_and_argmax_is_exact():
-    head, w, g = half_head()
+@pytest.mark.parametrize("kernel", WAYS)
+def test_half_head_bound_holds_and_argmax_is_exact(kernel):
+    head, w, g = half_head(kernel=kernel)
     x = torch.randn(300, 96, generator=g) * 3
     x[:100] *= 0.01  # flat logits: many near-ties the candidate set must keep
     x[100] = 0  # a zero row
@@ -41,8 +53,9 @@ def test_half_head_bound_holds_and_argmax_is_exact():
 
 
 @needs_compile
-def test_half_head_rows_are_the_same_alone_as_in_a_batch():
-    head, _, g = half_head(rows=500, seed=1)
+@pytest.mark.parametrize("kernel", WAYS)
+def test_half_head_rows_are_the_same_alone_as_in_a_batch(kernel):
+    head, _, g = half_head(rows=500, seed=1, kernel=kernel)
     x = torch.randn(7, 96, generator=g)
     both = head.approx_logits(x)
     for i in range(7):
@@ -51,8 +64,8 @@ def test_half_head_rows_are_the_same_alone_as_in_a_batch():
 
 
 def _fake_timing(fast: str):
-    return lambda head, half: {"int8": 1.0 if fast == "int8" else 9.0,
-                               "float16+compile": 1.0 if fast != "int8" else 9.0}
+    """A timing where `fast` wins, one row or batched (the others, the half-rows kernel among them, lose)."""
+    return lambda head, approxes, **kw: {p: 1.0 if p == fast else 9.0 for p in approxes}
 
 
 @needs_compile
@@ -61,9 +74,9 @@ def test_hold_head_measures_once_then_reads_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDRAFT_COMPILE", "1")  # conftest turns compiling off for the other tests
     calls = []
 
-    def timing(head, half):
+    def timing(head, approxes, **kw):
         calls.append(1)
-        return _fake_timing("float16+compile")(head, half)
+        return _fake_timing("float16+compile")(head, approxes, **kw)
 
     monkeypatch.setattr(head_paths, "_time_head", timing)
     for _ in range(2):
@@ -88,19 +101,22 @@ def test_engine_with_the_fp16_head_drafts_as_with_the_int8_head(tmp_path, monkey
     from drafter_lib.quantization import QuantConfig
 
     monkeypatch.setenv("SPECDRAFT_COMPILE", "1")
+    monkeypatch.setenv("SPECDRAFT_HALF_ROWS", "auto")
     monkeypatch.setattr("drafter_lib.engine.hold_step", lambda model, plan: {"path": "eager"})  # only the head's
+    monkeypatch.setattr("drafter_lib.int8w_rows._measure_kernel_step", lambda model: {"path": "inductor"})
     m = sharp(1.0, seed=2)
     write_model_dir(tmp_path / "m", m.config.to_dict(), m.state_dict(), QuantConfig.default_for(group_size=16))
     engines = {}
-    for fast in ("int8", "float16+compile"):
+    for fast in ("int8", "float16+compile") + (("float16+kernel",) if _kernel_builds() else ()):
         monkeypatch.setenv("SPECDRAFT_CACHE_DIR", str(tmp_path / fast))
         monkeypatch.setattr(head_paths, "_time_head", _fake_timing(fast))
         engines[fast] = DraftEngine.from_dir(tmp_path / "m", dtype="int8w")
         assert engines[fast].head_plan["path"] == fast and engines[fast].info()["head"]["path"] == fast
     for seed in range(8):
         p = rand_tokens(10 + 7 * seed, 70 + seed)
-        a, b = (engines[f].draft(p, 12, min_confidence=0, return_probs=True) for f in engines)
-        assert list(a) == list(b)
-        assert a.probs == pytest.approx(b.probs, rel=5e-3)  # fp16 logits: ~1e-3 off
-    check_same_draft_whatever_cache_and_batch(
+        a, *others = (engines[f].draft(p, 12, min_confidence=0, return_probs=True) for f in engines)
+        for b in others:
+            assert list(a) == list(b)
+            assert a.probs == pytest.approx(b.probs, rel=5e-3)  # fp16 logits: ~1e-3 off
+    check_same_draft_whatever_cache_and_batch(  # the last head held (the kernel's, where it builds)
         lambda: DraftEngine.from_dir(tmp_path / "m", dtype="int8w", copy_policy={"enabled": False}))

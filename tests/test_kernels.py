@@ -316,32 +316,41 @@ def test_int8w_holds_int8_rows_with_fp32_activations(cache_dir, monkeypatch):
 def test_int8w_compiled_rows_as_fp16_draft_the_same_tokens(cache_dir, monkeypatch):
     """int8w_rows: where inductor's int8 -> fp32 loop is slow the compiled steps read the same integers as fp16; the
     products are the same (inductor may sum them in another order: last bits), so the drafts are the same and their
-    probabilities agree to fp32 rounding. The choice is measured once per shape and cached."""
-    from drafter_lib import head_paths, int8w_rows
+    probabilities agree to fp32 rounding. The choice is measured once per shape and cached. Where the half-rows
+    kernel builds, an engine whose whole-step timing keeps it drafts the same too, whatever its cache and batch."""
+    from drafter_lib import half_rows, head_paths, int8w_rows
     from drafter_lib.weight_formats import Int8WeightLinear
 
     _compiler_or_skip(monkeypatch)
     monkeypatch.setattr(kernels, "time_step", lambda *a, **kw: {"eager": 2.0, "compiled": 1.0})
-    monkeypatch.setattr(head_paths, "_time_head", lambda *a: {"int8": 1.0, "float16+compile": 9.0})  # one head
+    monkeypatch.setattr(head_paths, "_time_head", lambda head, approxes, **kw: {p: 1.0 if p == "int8" else 9.0
+                                                                               for p in approxes})  # one head
     m = _sharp_model(1.0)
     engines, calls = {}, []
-    for prefer in ("int8", "float16"):
+    monkeypatch.setenv("SPECDRAFT_HALF_ROWS", "auto")  # conftest leaves the half-rows kernel out
+    kernel = half_rows.kernel_unavailable() is None  # where it builds: a third way, chosen by whole steps
+    for prefer in ("int8", "float16") + (("kernel",) if kernel else ()):
         monkeypatch.setenv("SPECDRAFT_CACHE_DIR", str(cache_dir / prefer))
         monkeypatch.setattr(int8w_rows, "time_rows", lambda mods, p=prefer: calls.append(1) or {
-            "int8": 1.0 if p == "int8" else 9.0, "float16": 1.0 if p == "float16" else 9.0})
+            "int8": 1.0 if p == "int8" else 9.0, "float16": 1.0 if p != "int8" else 9.0})
+        monkeypatch.setattr(int8w_rows, "_measure_kernel_step", lambda model, p=prefer: dict(
+            path="kernel" if p == "kernel" else "inductor"))
         engines[prefer] = make_engine(m, dtype="int8w")
         lins = [mod for mod in engines[prefer].model.modules() if isinstance(mod, Int8WeightLinear)]
         dtype = torch.int8 if prefer == "int8" else torch.float16
-        assert lins and all(mod.compiled_rows.dtype == dtype and torch.equal(mod.compiled_rows.float(), mod.q.float())
-                            and (mod.dequantized is None) == (prefer == "float16") for mod in lins)
+        held = [half_rows.unblock_rows(mod.compiled_rows, *mod.q.shape) if mod.rows_kernel else mod.compiled_rows
+                for mod in lins]  # the kernel holds the same fp16 values in its blocked layout
+        assert lins and all(rows.dtype == dtype and torch.equal(rows.float(), mod.q.float())
+                            and (mod.dequantized is None) == (prefer != "int8")
+                            and mod.rows_kernel == (prefer == "kernel") for rows, mod in zip(held, lins))
         assert all(v["path"] == prefer for v in engines[prefer].info()["kernels"].values())
         assert engines[prefer].step_plan["path"] == "compiled"
     shapes = {tuple(mod.q.shape) for mod in lins}
-    assert len(calls) == 2 * len(shapes)
+    assert len(calls) == len(engines) * len(shapes)
     make_engine(m, dtype="int8w")  # the cache answers: nothing timed again
-    assert len(calls) == 2 * len(shapes)
+    assert len(calls) == len(engines) * len(shapes)
     for s, n in enumerate((3, 17, 40)):
         p = rand_tokens(n, 120 + s)
-        a, b = (e.draft(p, 12, return_probs=True) for e in engines.values())
-        assert list(a) == list(b) and a.probs == pytest.approx(b.probs, rel=1e-5)
+        drafts = [e.draft(p, 12, return_probs=True) for e in engines.values()]
+        assert all(list(d) == list(drafts[0]) and d.probs == pytest.approx(drafts[0].probs, rel=1e-5) for d in drafts)
     check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype="int8w"))

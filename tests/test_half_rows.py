@@ -16,7 +16,8 @@ def kernel():
         pytest.skip(f"no half-rows kernel here: {why}")
 
 
-@pytest.mark.parametrize("n, k", [(37, 29), (64, 576), (203, 136)])  # tails: K and N not multiples of 8
+# tails (K, N not multiples of 8), K under one chunk, K over one panel of 256 (the accumulators kept between panels)
+@pytest.mark.parametrize("n, k", [(37, 29), (64, 576), (203, 136), (9, 5), (24, 1000)])
 def test_equals_torch_and_each_row_is_the_same_alone_or_batched(n, k):
     g = torch.Generator().manual_seed(n)
     w = (torch.randn(n, k, generator=g) * 40).round().clamp(-127, 127).half()  # int8w's integers, exact in fp16

@@ -46,9 +46,8 @@ class HalfApprox:
         err = (w.double() - self.w16.double()).norm(dim=1)
         # |approx - exact fp32 logit| <= |x| (|w - w16| + gamma |w16| + gamma |w|); 1 % covers float64 rounding
         self.coef = (err + 2.01 * gamma * w.double().norm(dim=1)) * 1.01
-        self.ones = torch.ones(w.shape[0])
-        if kernel:  # the kernel's blocked layout of the same fp16 values
-            self.w16 = block_rows(self.w16)
+        if kernel:  # the kernel's blocked layout of the same fp16 values, and a unit scale per row
+            self.w16, self.ones = block_rows(self.w16), torch.ones(w.shape[0])
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(float64 logits [M, V] of hidden rows x [M, H] fp32, the bound [M, V] on each one's error)."""

@@ -32,8 +32,10 @@ from .kernels import (
     ROUNDS,
     STEP_CONTEXT,
     _compile_step,
+    _step_key,
     _warm_step,
     cached_choice,
+    cached_steps,
     compile_wanted,
     compile_works,
     interleaved_median,
@@ -87,10 +89,7 @@ def hold_int8w_rows(model) -> dict[str, dict]:
             if hit["path"] == "float16":
                 m.hold_rows_as_half()
     if kernel_unavailable() is None:
-        c = model.config
-        key = (f"int8w kernel step {c.arch} h{c.hidden_size} i{c.intermediate_size} L{c.num_hidden_layers} "
-               f"a{c.num_attention_heads}/{c.num_key_value_heads}x{c.head_dim} "
-               f"[{','.join(v['path'] for _, v in sorted(plan.items()))}] rule={kernel_rule()}")
+        key = f"int8w kernel {_step_key(model, plan)} rule={kernel_rule()}"
         step = cached_choice(key, lambda: _measure_kernel_step(model), ("kernel", "inductor"))
         if step["path"] == "kernel":
             hold_kernel_rows(model)
@@ -111,14 +110,7 @@ def time_steps(models: dict, rows: int, context: int = STEP_CONTEXT, rounds: int
                calls: int = 10) -> dict[str, float]:
     """Milliseconds per one-token cached step of `rows` rows at `context` tokens, per model (its compiled step set),
     interleaved round by round; the median round counts."""
-    runs = {}
-    for name, m in models.items():
-        g = torch.Generator().manual_seed(0)
-        cache = m.new_cache(rows, context + 1)
-        m.hidden(torch.randint(0, m.config.vocab_size, (rows, context), generator=g),
-                 torch.arange(context).repeat(rows, 1), cache)
-        ids, pos = torch.randint(0, m.config.vocab_size, (rows, 1), generator=g), torch.full((rows, 1), context)
-        runs[name] = lambda m=m, ids=ids, pos=pos, cache=cache: [m.hidden(ids, pos, cache) for _ in range(calls)]
+    runs = {name: cached_steps(m, rows, context, calls, torch.Generator().manual_seed(0)) for name, m in models.items()}
     return {name: round(t / calls * 1e3, 3) for name, t in interleaved_median(runs, rounds).items()}
 
 

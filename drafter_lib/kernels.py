@@ -56,7 +56,7 @@ from .weight_formats import Int8DynLinear, Int8Head, Int8WeightLinear, hold_line
 
 __all__ = ["PATHS", "APPROXIMATE", "candidate_paths", "interleaved_median", "time_paths", "choose_paths",
            "hold_measured", "machine_key", "cache_file", "cached_choice", "cpu_model", "decode_read_bytes",
-           "CompiledGemvLinear", "compile_works", "hold_step", "time_step"]
+           "CompiledGemvLinear", "compile_works", "hold_step", "time_step", "cached_steps"]
 
 PATHS = ("float32", "float16", "float16+compile", "bfloat16", "int8")
 APPROXIMATE = ("bfloat16", "int8")
@@ -293,6 +293,16 @@ def _warm_step(model, step, context: int = 8) -> torch.Generator:
     return g
 
 
+def cached_steps(model, rows: int, context: int, calls: int, g: torch.Generator):
+    """A callable running `calls` one-token cached steps of `rows` rows at `context` tokens (prefilled here, by
+    whatever step the model holds now), as the engine's decode steps run."""
+    v = model.config.vocab_size
+    cache = model.new_cache(rows, context + 1)
+    model.hidden(torch.randint(0, v, (rows, context), generator=g), torch.arange(context).repeat(rows, 1), cache)
+    ids, pos = torch.randint(0, v, (rows, 1), generator=g), torch.full((rows, 1), context)
+    return lambda: [model.hidden(ids, pos, cache) for _ in range(calls)]
+
+
 @torch.inference_mode()
 def time_step(model, step, context: int = STEP_CONTEXT, rounds: int = ROUNDS, calls: int = 10) -> dict[str, float]:
     """Milliseconds per one-token, one-row cached step at `context` tokens of the eager layers and of `step`
@@ -300,16 +310,12 @@ def time_step(model, step, context: int = STEP_CONTEXT, rounds: int = ROUNDS, ca
     eager."""
     g = _warm_step(model, step)
     model.compiled_step = None
-    cache = model.new_cache(1, context + 1)
-    model.hidden(torch.randint(0, model.config.vocab_size, (1, context), generator=g), torch.arange(context)[None],
-                 cache)
-    ids, pos = torch.randint(0, model.config.vocab_size, (1, 1), generator=g), torch.tensor([[context]])
+    steps = cached_steps(model, 1, context, calls, g)
 
     def steps_with(compiled):
         def run():
             model.compiled_step = compiled
-            for _ in range(calls):
-                model.hidden(ids, pos, cache)
+            steps()
         return run
 
     secs = interleaved_median({"eager": steps_with(None), "compiled": steps_with(step)}, rounds)

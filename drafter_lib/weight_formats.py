@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import half_rows
 from . import quantization as Q
 from .model import Linear
 
@@ -128,15 +129,11 @@ class Int8WeightLinear(nn.Module):
     def hold_rows_as_half(self, kernel: bool = False):
         """Both paths read the rows' integers as fp16 (exact), and the fp32 copy goes (int8w_rows.hold_int8w_rows);
         `kernel`: compiled steps multiply them with the half-rows kernel instead of inductor's loop."""
-        from .half_rows import block_rows
-
         self.compiled_rows, self.dequantized, self.rows_kernel = self.q.half(), None, kernel
         if kernel:  # the kernel's blocked layout of the same fp16 values, instead of the plain one
-            self.compiled_rows = block_rows(self.compiled_rows)
+            self.compiled_rows = half_rows.block_rows(self.compiled_rows)
 
     def forward(self, x):
-        from . import half_rows
-
         x = x.float()
         if torch.compiler.is_compiling() and self.rows_kernel:
             y = half_rows.half_rows_mm(x.reshape(-1, self.in_features), self.compiled_rows, self.scale)

@@ -13,7 +13,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from drafter_lib.server_app import Settings, create_app, serve
+from drafter_lib.openmp_wait import bounded_spin
+
+bounded_spin()  # before torch is imported (server_app imports it): idle threads spin a bounded while, then sleep
+
+from drafter_lib.server_app import Settings, create_app, serve  # noqa: E402
 
 
 def __getattr__(name: str):

@@ -26,24 +26,27 @@ loaded weights <= 0.4x the fp32 size, warm decode >= 50% of the bandwidth limit.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
-# Under CPU oversubscription a spinning OpenMP barrier waits for a descheduled worker for a whole time slice:
-# measured 150 ms (passive) vs 1650 ms (default) for a warm 16-token draft at 1k context with 2 threads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from drafter_lib.openmp_wait import bounded_spin  # noqa: E402
+
+# The server's OpenMP wait (set before torch loads): threads spin a bounded while between ops, then sleep. Sleeping at
+# once wakes a thread for every op; spinning without bound, under CPU oversubscription, waits a whole time slice
+# for a descheduled worker (a warm 16-token draft at 1k context: 150 ms sleeping against 1,650 ms spinning).
+WAIT = bounded_spin()
 
 import argparse  # noqa: E402
 import ctypes  # noqa: E402
 import gc  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafter_lib.engine import DraftEngine  # noqa: E402
 from drafter_lib.kernels import cache_file, cpu_model, decode_read_bytes  # noqa: E402
@@ -195,7 +198,7 @@ def main():
     bw, bw_ws = bandwidth(1 << 30), bandwidth(max(ws_bytes, 1 << 20), copy=False)
     print(f"\nmodel: {cfg.arch} layers={cfg.num_hidden_layers} hidden={cfg.hidden_size} vocab={cfg.vocab_size}")
     print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  torch {torch.__version__}  "
-          f"threads={torch.get_num_threads()} OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}")
+          f"threads={torch.get_num_threads()} OpenMP wait: {WAIT}")
     print(f"copy bandwidth: {bw:.1f} GB/s (1 GiB copy_, read + written bytes); re-reading {ws_bytes / 2**20:.0f} "
           f"MiB (the first mode's decode weights) {bw_ws:.1f} GB/s (from the last-level cache where they fit)")
     for mode, eng in engines.items():

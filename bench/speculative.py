@@ -56,16 +56,17 @@ def make_parser() -> argparse.ArgumentParser:
     return ap
 
 
-# Before torch: with an HTTP drafter, the server is a second process on the same cores, so idle OpenMP threads must
-# sleep (PASSIVE), not spin against it. In-process drafting keeps OpenMP's default (threads spin briefly between
-# ops): here plain decoding ran 1.5x faster than with PASSIVE (27.9 vs 18.5 tok/s), whose wake-ups cost every op.
-if "http" in make_parser().parse_known_args()[0].drafters:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch, in this process and (inherited) in the HTTP drafter's: idle OpenMP threads spin a bounded while, then
+# sleep (openmp_wait.py). The two processes take turns on the same cores, so a short spin finds the next op of a
+# step while a long one (OpenMP's default) would hold a core the other process needs; sleeping at once (PASSIVE,
+# through session 13) paid a wake-up on every op.
+sys.path.insert(0, str(ROOT))
+from drafter_lib.openmp_wait import bounded_spin  # noqa: E402
+
+WAIT = bounded_spin()
 
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
-
-sys.path.insert(0, str(ROOT))
 
 from bench.workload import heldout_prompts  # noqa: E402
 from drafter_lib import hf_models, teacher  # noqa: E402
@@ -170,7 +171,7 @@ def main(argv=None) -> list[dict]:
     cats = sorted({str(r.get("category")) for r in records})
     print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  "
           f"torch {torch.__version__}  threads {torch.get_num_threads()}  "
-          f"OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', '(default)')}")
+          f"OpenMP wait: {WAIT}")
     print(f"{len(prompts)} prompts over {len(cats)} categories ({', '.join(cats)}), max {args.max_new_tokens} new "
           f"tokens, drafter {args.model_dir}")
 

@@ -2,7 +2,11 @@
 
 Requests that arrive while a batch is running, or shortly after, are gathered from an asyncio queue and drafted
 with one `engine.draft_batch` call, so concurrent clients share forward passes. The engine is not thread-safe,
-so exactly one worker thread ever touches it; the event loop only queues and waits.
+so exactly one worker thread ever touches it; the event loop only queues and waits. That thread should also load
+the engine (`engine_thread`): torch's OpenMP runtime (libgomp) gives every thread that runs a parallel op its own
+team of threads, and once a process holds more of them than there are cores it cuts every wait's spin to 1,000
+iterations, so each op of a step wakes a sleeping thread again (a warm 16-token draft of the shipped model on a
+2-core AMD EPYC: 27 ms loaded and run on one thread, 101-121 ms run on another thread than the one that loaded it).
 
 When to start a batch: at once if it already holds as many requests as recently ran concurrently (a lone client
 never waits); otherwise wait a little for the others - they are typically the clients of the batch that just
@@ -71,12 +75,18 @@ class _Pending:
     queued: bool = True  # counted in the queue depth until its batch starts (or it gives up)
 
 
+def engine_thread() -> ThreadPoolExecutor:
+    """The one thread that loads an engine and then runs every call on it (see the module doc)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
+
+
 class MicroBatcher:
-    """Gathers concurrent `submit` calls into `run_batch` calls on one dedicated thread."""
+    """Gathers concurrent `submit` calls into `run_batch` calls on one dedicated thread: `executor` (an
+    `engine_thread()` that loaded the engine; left running at `stop`) or one of its own."""
 
     def __init__(self, run_batch: RunBatch, window_s: float = 0.02, max_batch: int = 32,
                  run_one: Callable[..., list] | None = None, max_queue: int | None = None,
-                 request_timeout_s: float | None = None):
+                 request_timeout_s: float | None = None, executor: ThreadPoolExecutor | None = None):
         if window_s < 0:
             raise ValueError(f"window_s must be >= 0, got {window_s}")
         if max_batch < 1:
@@ -95,6 +105,7 @@ class MicroBatcher:
         self.request_timeout_s = request_timeout_s
         self._queue: asyncio.Queue[_Pending] | None = None
         self._task: asyncio.Task | None = None
+        self._given_executor = executor
         self._executor: ThreadPoolExecutor | None = None
         self._inflight = 0  # submitted and not yet answered
         self._waiting = 0  # submitted and not yet started: the queue depth that max_queue bounds
@@ -116,7 +127,7 @@ class MicroBatcher:
 
     async def start(self) -> None:
         self._queue = asyncio.Queue()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
+        self._executor = self._given_executor or engine_thread()
         self._task = asyncio.create_task(self._loop(), name="micro-batcher")
 
     async def stop(self) -> None:
@@ -131,7 +142,7 @@ class MicroBatcher:
             self._dequeue(p)
             if not p.future.done():
                 p.future.set_exception(Overloaded("shutting_down", "server is shutting down"))
-        if self._executor is not None:
+        if self._executor is not None and self._executor is not self._given_executor:
             self._executor.shutdown(wait=True)
 
     async def call_in_worker(self, fn, *args):

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from . import openmp_wait
 from .io_utils import read_json, write_json
 from .model import Linear
 from .weight_formats import Int8DynLinear, Int8Head, Int8WeightLinear, hold_linear, hold_table_rows, linears
@@ -193,7 +194,7 @@ def cpu_model() -> str:
 
 def machine_key() -> str:
     return (f"{cpu_model()} | {torch.backends.cpu.get_cpu_capability()} | torch {torch.__version__} | "
-            f"{torch.get_num_threads()} threads")
+            f"{torch.get_num_threads()} threads | {openmp_wait.setting()}")
 
 
 def cache_file() -> Path:

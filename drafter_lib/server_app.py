@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 
-from .batching import MicroBatcher, Overloaded
+from .batching import MicroBatcher, Overloaded, engine_thread
 from .io_utils import check_token_ids, to_jsonable
 from .server_metrics import Metrics
 from .server_schema import (
@@ -199,13 +199,15 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
     """The FastAPI app over `engine` (e.g. an fp baseline), or over MODEL_DIR's drafter loaded here and now."""
     settings = settings or Settings.from_env()
     t0 = time.perf_counter()
-    eng = engine if engine is not None else load_engine(settings)
+    thread = engine_thread()  # loads the engine and runs every batch on it: one OpenMP team (batching.py)
+    eng = engine if engine is not None else thread.submit(load_engine, settings).result()
     load_s = time.perf_counter() - t0
     limits = Limits(int(eng.vocab_size), int(eng.max_context))
     request_cls = request_model(limits)
     state = ServeState()
     batcher = MicroBatcher(_trimming(eng), window_s=settings.batch_window_ms / 1e3, max_batch=settings.max_batch,
-                           max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s)
+                           max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
+                           executor=thread)
     started = time.time()
 
     @asynccontextmanager

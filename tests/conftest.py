@@ -2,8 +2,14 @@
 import os
 import tempfile
 
-import pytest
-import torch
+from drafter_lib.openmp_wait import bounded_spin
+
+# Before torch loads: the OpenMP wait the servers the tests start set for themselves, so both sides cache their kernel
+# plans under one machine key (kernels.machine_key).
+bounded_spin()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The engine's measured kernel choice (drafter_lib/kernels.py) is cached in a directory of this session, not the
 # user's ~/.cache, and without the compiled path (seconds of compiling per shape); tests that want it set it.

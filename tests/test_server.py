@@ -325,6 +325,36 @@ def test_model_dir_default_threshold_in_process_app(model_dir, tmp_path):
         assert tc.post("/draft", json={"tokens": tokens, "min_confidence": 0}).json()["draft"] == full
 
 
+def test_engine_is_loaded_and_run_on_one_thread(model_dir, monkeypatch):
+    """create_app loads the engine on the thread that then runs every batch, not the main thread: one OpenMP team
+    per process, so libgomp keeps its full spin between ops (batching.py)."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from drafter_lib import server_app
+
+    seen, real_load = {"runs": set()}, server_app.load_engine
+
+    def load(settings):
+        seen["load"] = threading.get_ident()
+        eng = real_load(settings)
+        run = eng.draft_batch
+
+        def draft_batch(*args, **kw):
+            seen["runs"].add(threading.get_ident())
+            return run(*args, **kw)
+
+        eng.draft_batch = draft_batch
+        return eng
+
+    monkeypatch.setattr(server_app, "load_engine", load)
+    with TestClient(server_app.create_app(server_app.Settings(model_dir=str(model_dir)))) as tc:
+        for n in (5, 9, 6):
+            assert tc.post("/draft", json={"tokens": _prompt(n, n)}).status_code == 200
+    assert seen["runs"] == {seen["load"]} and seen["load"] != threading.main_thread().ident
+
+
 # ------------------------------------------------------------------ offline
 
 def test_serves_offline_without_network(http, net_log, server):

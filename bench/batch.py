@@ -1,0 +1,94 @@
+"""In process: one `draft_batch` of N warm requests against the same kind of N requests drafted one by one, per
+`SPECDRAFT_HALF_ROWS` rule (which kernel the engine's steps and head take; `half_rows.py`), side by side.
+
+    python bench/batch.py [--model-dir model] [--rules 0 auto batched] [--batch 8] [--context 128] [--k 16]
+
+Each rule loads its own engine (its kernel choices measured or read from the cache for that rule). Every request is
+a random `--context`-token prompt, cached once, then extended by one token per round (the speculative loop's
+pattern: the engine computes the new tail and k one-token steps); the one-by-one and the batched sets are distinct
+prompts, so neither finds the other's drafts cached. Drafts are full length (`min_confidence` 0). Rules and modes
+run interleaved round by round and the median round counts. The throughput ratio is what N concurrent clients could
+gain over one at most: the server adds HTTP and queueing on top (`bench/server.py`). Every rule's batched drafts are
+checked against the same requests drafted alone.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from drafter_lib.openmp_wait import bounded_spin  # noqa: E402
+
+WAIT = bounded_spin()  # before torch: the server's OpenMP wait (openmp_wait.py)
+
+import torch  # noqa: E402
+
+from drafter_lib.engine import DraftEngine  # noqa: E402
+from drafter_lib.kernels import cpu_model  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-dir", default=str(ROOT / "model"))
+    ap.add_argument("--rules", nargs="+", default=["0", "auto", "batched"], choices=["0", "auto", "batched"])
+    ap.add_argument("--batch", type=int, default=8, help="requests per batch")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--k", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args(argv)
+    print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  torch {torch.__version__}  "
+          f"threads={torch.get_num_threads()}  OpenMP wait: {WAIT}", flush=True)
+    engines = {}
+    for rule in args.rules:
+        os.environ["SPECDRAFT_HALF_ROWS"] = rule  # read while the engine holds its weights
+        t0 = time.perf_counter()
+        engines[rule] = DraftEngine.from_dir(args.model_dir, copy_policy={"enabled": False})
+        eng = engines[rule]
+        paths = {name: v["path"] for name, v in (eng.kernels or {}).items()}
+        print(f"rule {rule}: loaded in {time.perf_counter() - t0:.1f} s; layers {paths}, step "
+              f"{eng.step_plan['path']}, head {eng.head_plan['path']}", flush=True)
+    rnd = random.Random(0)
+    vocab = next(iter(engines.values())).vocab_size
+
+    def prompts():
+        return [[rnd.randrange(vocab) for _ in range(args.context)] for _ in range(args.batch)]
+
+    sets = {(rule, mode): prompts() for rule in engines for mode in ("alone", "batched")}
+    for (rule, _), reqs in sets.items():  # cache every prompt (and trace any graph) before timing
+        engines[rule].draft_batch(reqs, args.k, min_confidence=0.0)
+    ms: dict[tuple[str, str], list[float]] = {key: [] for key in sets}
+    for r in range(args.rounds):
+        order = list(sets) if r % 2 == 0 else list(reversed(sets))
+        for rule, mode in order:
+            eng, reqs = engines[rule], [t + [rnd.randrange(vocab)] for t in sets[rule, mode]]
+            sets[rule, mode] = reqs
+            t0 = time.perf_counter()
+            if mode == "alone":
+                for t in reqs:
+                    eng.draft(t, args.k, min_confidence=0.0)
+            else:
+                eng.draft_batch(reqs, args.k, min_confidence=0.0)
+            ms[rule, mode].append((time.perf_counter() - t0) * 1e3 / args.batch)
+    print(f"\n{args.batch} warm requests of {args.context}+ tokens, {args.k}-token drafts; ms per draft, median of "
+          f"{args.rounds} interleaved rounds")
+    print(f"{'rule':>8} | {'one by one':>10} | {'batched':>8} | {'throughput':>10} | batched drafts == alone")
+    out = {}
+    for rule, eng in engines.items():
+        alone, batched = (statistics.median(ms[rule, m]) for m in ("alone", "batched"))
+        reqs = sets[rule, "batched"]
+        together = eng.draft_batch(reqs, args.k, min_confidence=0.0)
+        same = sum(list(d) == list(eng.draft(t, args.k, min_confidence=0.0)) for d, t in zip(together, reqs))
+        out[rule] = dict(alone_ms=alone, batched_ms=batched, gain=alone / batched, identical=same)
+        print(f"{rule:>8} | {alone:10.2f} | {batched:8.2f} | {alone / batched:9.2f}x | {same} of {len(reqs)}")
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -24,6 +24,7 @@ from pathlib import Path
 from . import config as C
 from .io_utils import read_json, write_json
 from .layout import NOTEBOOKS_DIR, REPO_ROOT, RESULTS_DIR, RunLayout, portable_path, repo_relative
+from .openmp_wait import bounded_spin
 
 STAGES = ("01_data", "02_teacher", "03_train_qat", "04_pack", "05_eval")
 
@@ -156,9 +157,9 @@ def main(argv=None):
         from . import verify
 
         sys.exit(verify.main([args.verify]))
-    # Notebook kernels inherit this: idle OpenMP threads sleep instead of spinning, which on a shared 2-core
-    # machine made torch 10-300x slower. It must be set before torch is imported, hence here.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Notebook kernels inherit this: idle OpenMP threads spin a bounded while, then sleep (openmp_wait.py; spinning
+    # without bound made torch 10-300x slower on a shared 2-core machine, sleeping at once costs a wake-up per op).
+    bounded_spin()
     shared = portable_path(args.shared_data) if args.shared_data else None  # relative to where it was typed
     try:
         overrides = C.parse_set(args.set)

@@ -47,3 +47,17 @@ def test_server_sets_the_wait_before_torch_loads(given, expected):
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == repr(expected)
+
+
+def test_study_hands_its_notebooks_the_bounded_spin(monkeypatch, capsys):
+    """The study's notebook kernels inherit the wait setting from the study process's environment."""
+    from drafter_lib import study
+
+    for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        monkeypatch.delenv(name, raising=False)
+    study.main(["--preset", "smoke", "--check"])
+    assert os.environ["GOMP_SPINCOUNT"] == str(BOUNDED_SPINS) and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    study.main(["--preset", "smoke", "--check"])
+    assert "GOMP_SPINCOUNT" not in os.environ

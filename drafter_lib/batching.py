@@ -3,7 +3,7 @@
 Requests that arrive while a batch is running, or shortly after, are gathered from an asyncio queue and drafted
 with one `engine.draft_batch` call, so concurrent clients share forward passes. The engine is not thread-safe,
 so exactly one worker thread ever touches it; the event loop only queues and waits. That thread should also load
-the engine (`engine_thread`): torch's OpenMP runtime (libgomp) gives every thread that runs a parallel op its own
+the engine (`EngineThread`): torch's OpenMP runtime (libgomp) gives every thread that runs a parallel op its own
 team of threads, and once a process holds more of them than there are cores it cuts every wait's spin to 1,000
 iterations, so each op of a step wakes a sleeping thread again (a warm 16-token draft of the shipped model on a
 2-core AMD EPYC: 27 ms loaded and run on one thread, 101-121 ms run on another thread than the one that loaded it).
@@ -28,10 +28,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
+import queue
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 
 # run_batch(list_of_token_lists, k, **per_request_options) -> list of drafts; called only from the single worker
@@ -75,18 +77,48 @@ class _Pending:
     queued: bool = True  # counted in the queue depth until its batch starts (or it gives up)
 
 
-def engine_thread() -> ThreadPoolExecutor:
-    """The one thread that loads an engine and then runs every call on it (see the module doc)."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-engine")
+class EngineThread(Executor):
+    """One daemon thread running the calls submitted to it in order: the thread that loads an engine and then runs
+    every call on it (see the module doc). A daemon, so Ctrl-C during a load (the kernels timed: minutes) ends the
+    process at once instead of waiting for the load, as a pool's worker would make it."""
+
+    def __init__(self, name: str = "draft-engine"):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        if self._closed:
+            raise RuntimeError("the engine thread is shut down")
+        future: Future = Future()
+        self._calls.put((future, fn, args, kwargs))
+        return future
+
+    def _work(self) -> None:
+        while (call := self._calls.get()) is not None:
+            future, fn, args, kwargs = call
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args, **kwargs))
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                    future.set_exception(e)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if not self._closed:
+            self._closed = True
+            self._calls.put(None)  # after the calls already queued
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 class MicroBatcher:
     """Gathers concurrent `submit` calls into `run_batch` calls on one dedicated thread: `executor` (an
-    `engine_thread()` that loaded the engine; left running at `stop`) or one of its own."""
+    `EngineThread` that loaded the engine; left running at `stop`) or one of its own."""
 
     def __init__(self, run_batch: RunBatch, window_s: float = 0.02, max_batch: int = 32,
                  run_one: Callable[..., list] | None = None, max_queue: int | None = None,
-                 request_timeout_s: float | None = None, executor: ThreadPoolExecutor | None = None):
+                 request_timeout_s: float | None = None, executor: Executor | None = None):
         if window_s < 0:
             raise ValueError(f"window_s must be >= 0, got {window_s}")
         if max_batch < 1:
@@ -106,7 +138,7 @@ class MicroBatcher:
         self._queue: asyncio.Queue[_Pending] | None = None
         self._task: asyncio.Task | None = None
         self._given_executor = executor
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: Executor | None = None
         self._inflight = 0  # submitted and not yet answered
         self._waiting = 0  # submitted and not yet started: the queue depth that max_queue bounds
         self._peak, self._peak_at = 0, 0.0  # recent peak of _inflight
@@ -127,7 +159,7 @@ class MicroBatcher:
 
     async def start(self) -> None:
         self._queue = asyncio.Queue()
-        self._executor = self._given_executor or engine_thread()
+        self._executor = self._given_executor or EngineThread()
         self._task = asyncio.create_task(self._loop(), name="micro-batcher")
 
     async def stop(self) -> None:

@@ -15,7 +15,7 @@ The three ways to wait, measured on 2-core machines (README, "A third CPU"):
   spins and of sleeping at once. Beside a process that computes all the time, sleeping at once is still better
   (warm drafts 90-174 ms against 146-526 ms): set `OMP_WAIT_POLICY=PASSIVE` there.
 A wait setting the user gave (either variable) is kept. libgomp cuts every spin to 1,000 iterations once a process
-holds more OpenMP threads than cores, so a process should run its torch ops on one thread (`batching.engine_thread`).
+holds more OpenMP threads than cores, so a process should run its torch ops on one thread (`batching.EngineThread`).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
 
-from .batching import MicroBatcher, Overloaded, engine_thread
+from .batching import EngineThread, MicroBatcher, Overloaded
 from .io_utils import check_token_ids, to_jsonable
 from .server_metrics import Metrics
 from .server_schema import (
@@ -199,7 +199,7 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
     """The FastAPI app over `engine` (e.g. an fp baseline), or over MODEL_DIR's drafter loaded here and now."""
     settings = settings or Settings.from_env()
     t0 = time.perf_counter()
-    thread = engine_thread()  # loads the engine and runs every batch on it: one OpenMP team (batching.py)
+    thread = EngineThread()  # loads the engine and runs every batch on it: one OpenMP team (batching.py)
     eng = engine if engine is not None else thread.submit(load_engine, settings).result()
     load_s = time.perf_counter() - t0
     limits = Limits(int(eng.vocab_size), int(eng.max_context))

@@ -10,7 +10,15 @@ import sys
 
 import httpx
 import pytest
-from server_helpers import TINY_MAX_POS, TINY_VOCAB, ServerProcess, guarded_env, tiny_hf_model, write_tiny_model_dir
+from server_helpers import (
+    ROOT,
+    TINY_MAX_POS,
+    TINY_VOCAB,
+    ServerProcess,
+    guarded_env,
+    tiny_hf_model,
+    write_tiny_model_dir,
+)
 
 MAX_BODY = 64 * 1024  # small limit so the 413 path is cheap to hit; a full-context request is ~3 KB
 # The engine's default weight dtype is what ships; set this to check another one (server and reference alike).
@@ -353,6 +361,28 @@ def test_engine_is_loaded_and_run_on_one_thread(model_dir, monkeypatch):
         for n in (5, 9, 6):
             assert tc.post("/draft", json={"tokens": _prompt(n, n)}).status_code == 200
     assert seen["runs"] == {seen["load"]} and seen["load"] != threading.main_thread().ident
+
+
+INTERRUPTED_LOAD = """
+import os, signal, threading, time
+from drafter_lib import server_app
+server_app.load_engine = lambda settings: time.sleep(60)  # a load that times its kernels for a minute
+threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C a second into it
+server_app.create_app(server_app.Settings(model_dir="unused"))
+"""
+
+
+def test_ctrl_c_during_the_engine_load_exits_at_once():
+    """The engine loads on its own thread (a daemon): Ctrl-C in the main thread ends the process without waiting
+    for the load to finish."""
+    import signal
+    import time
+
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", INTERRUPTED_LOAD], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert "KeyboardInterrupt" in out.stderr and out.returncode != 0
+    assert time.perf_counter() - t0 < 30, "the process waited for the interrupted load"
 
 
 # ------------------------------------------------------------------ offline

@@ -114,7 +114,7 @@ class EngineThread(Executor):
 
 class MicroBatcher:
     """Gathers concurrent `submit` calls into `run_batch` calls on one dedicated thread: `executor` (an
-    `EngineThread` that loaded the engine; left running at `stop`) or one of its own."""
+    `EngineThread` that loaded the engine), else one of its own; either is shut down at `stop`."""
 
     def __init__(self, run_batch: RunBatch, window_s: float = 0.02, max_batch: int = 32,
                  run_one: Callable[..., list] | None = None, max_queue: int | None = None,
@@ -137,8 +137,7 @@ class MicroBatcher:
         self.request_timeout_s = request_timeout_s
         self._queue: asyncio.Queue[_Pending] | None = None
         self._task: asyncio.Task | None = None
-        self._given_executor = executor
-        self._executor: Executor | None = None
+        self._executor = executor  # taken over: shut down at stop
         self._inflight = 0  # submitted and not yet answered
         self._waiting = 0  # submitted and not yet started: the queue depth that max_queue bounds
         self._peak, self._peak_at = 0, 0.0  # recent peak of _inflight
@@ -159,7 +158,7 @@ class MicroBatcher:
 
     async def start(self) -> None:
         self._queue = asyncio.Queue()
-        self._executor = self._given_executor or EngineThread()
+        self._executor = self._executor or EngineThread()
         self._task = asyncio.create_task(self._loop(), name="micro-batcher")
 
     async def stop(self) -> None:
@@ -174,7 +173,7 @@ class MicroBatcher:
             self._dequeue(p)
             if not p.future.done():
                 p.future.set_exception(Overloaded("shutting_down", "server is shutting down"))
-        if self._executor is not None and self._executor is not self._given_executor:
+        if self._executor is not None:
             self._executor.shutdown(wait=True)
 
     async def call_in_worker(self, fn, *args):

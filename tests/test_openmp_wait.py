@@ -2,13 +2,11 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from server_helpers import ROOT
 
 from drafter_lib.openmp_wait import BOUNDED_SPINS, bounded_spin, setting
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bounded_spin_sets_a_spin_count_only_where_nothing_is_chosen():
@@ -49,7 +47,7 @@ def test_server_sets_the_wait_before_torch_loads(given, expected):
     assert out.stdout.strip().splitlines()[-1] == repr(expected)
 
 
-def test_study_hands_its_notebooks_the_bounded_spin(monkeypatch, capsys):
+def test_study_hands_its_notebooks_the_bounded_spin(monkeypatch):
     """The study's notebook kernels inherit the wait setting from the study process's environment."""
     from drafter_lib import study
 

@@ -7,7 +7,8 @@ of one on an AVX2 CPU (AMD EPYC, 2 threads: 28 drafter-sized weights 2.8 ms for 
 fp32 GEMM repacks the weight per call (`target_linears.py`), oneDNN's packed fp32 reads twice the bytes (10 ms for one
 row), torch's `_weight_int8pack_mm` has no vector path there (140 ms for 8 rows). `csrc/half_rows.cpp` converts each
 tile of the weight once and multiplies it into up to 8 rows' accumulators (the same 28 weights, side by side:
-1.2-1.6 ms for one row, 3.2-4.4 ms for 8). Each output keeps its own accumulator that sums in one fixed order, so a
+1.2-1.6 ms for one row, 3.2-4.4 ms for 8; with software prefetch and 8 rows as two passes of 4, session 15, the
+drafter's 16 fused weights 1.9 -> 1.6 ms for one row and 6.7 -> 3.9 ms for 8). Each output keeps its own accumulator that sums in one fixed order, so a
 row's result is bit-identical alone or in a batch of any size (tested), the property the engine's drafts rest on.
 
 It is built once per machine with torch's C++ extension builder (AVX2, FMA and F16C code; ~1 minute, cached under
@@ -18,6 +19,7 @@ it is measured (`int8w_rows.py`, `head_paths.py`), by the rule `SPECDRAFT_HALF_R
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from pathlib import Path
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["BATCH_ROWS", "kernel_unavailable", "kernel_rule", "block_rows", "unblock_rows", "half_rows_mm",
-           "prefer_kernel", "FusedRows", "fuse_projections"]
+           "prefer_kernel", "choice_key", "FusedRows", "fuse_projections"]
 
 SOURCE = Path(__file__).parent / "csrc" / "half_rows.cpp"
 BATCH_ROWS = 8  # rows of the timed batched call: a server's decode step with 8 requests
@@ -139,6 +141,12 @@ def kernel_rule() -> str:
     if rule not in ("auto", "batched", "0"):
         raise ValueError(f"SPECDRAFT_HALF_ROWS must be auto, batched or 0, got {rule!r}")
     return rule
+
+
+def choice_key() -> str:
+    """What a cached choice for or against the kernel was measured with: the rule and the kernel's source (a changed
+    kernel is timed again)."""
+    return f"rule={kernel_rule()} kernel={hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]}"
 
 
 def prefer_kernel(one_row: dict[str, float], batched: dict[str, float], kernel: str, min_gain: float,

@@ -27,7 +27,15 @@ import functools
 
 import torch
 
-from .half_rows import BATCH_ROWS, block_rows, half_rows_mm, kernel_rule, kernel_unavailable, prefer_kernel
+from .half_rows import (
+    BATCH_ROWS,
+    block_rows,
+    choice_key,
+    half_rows_mm,
+    kernel_rule,
+    kernel_unavailable,
+    prefer_kernel,
+)
 from .kernels import MIN_GAIN, ROUNDS, _compiled_gemv, cached_choice, compile_wanted, compile_works, interleaved_median
 from .weight_formats import Int8Head
 
@@ -101,7 +109,7 @@ def hold_head(head) -> dict:
         return dict(path="float16+compile" if faster else "int8", us_per_call=us)
 
     choices = ("int8", "float16+compile") + (("float16+kernel",) if kernel else ())
-    rule = f" rule={kernel_rule()}" if kernel else ""
+    rule = f" {choice_key()}" if kernel else ""
     hit = cached_choice(f"head {head.q.shape[0]}x{head.q.shape[1]} {','.join(choices)}{rule}", measure, choices)
     head.approx = None if hit["path"] == "int8" else half(hit["path"] == "float16+kernel")
     return hit

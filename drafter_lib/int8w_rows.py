@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from .half_rows import BATCH_ROWS, fuse_projections, kernel_rule, kernel_unavailable, prefer_kernel
+from .half_rows import BATCH_ROWS, choice_key, fuse_projections, kernel_rule, kernel_unavailable, prefer_kernel
 from .kernels import (
     MIN_GAIN,
     ROUNDS,
@@ -89,7 +89,7 @@ def hold_int8w_rows(model) -> dict[str, dict]:
             if hit["path"] == "float16":
                 m.hold_rows_as_half()
     if kernel_unavailable() is None:
-        key = f"int8w kernel {_step_key(model, plan)} rule={kernel_rule()}"
+        key = f"int8w kernel {_step_key(model, plan)} {choice_key()}"
         step = cached_choice(key, lambda: _measure_kernel_step(model), ("kernel", "inductor"))
         if step["path"] == "kernel":
             hold_kernel_rows(model)

@@ -354,3 +354,32 @@ def test_int8w_compiled_rows_as_fp16_draft_the_same_tokens(cache_dir, monkeypatc
         drafts = [e.draft(p, 12, return_probs=True) for e in engines.values()]
         assert all(list(d) == list(drafts[0]) and d.probs == pytest.approx(drafts[0].probs, rel=1e-5) for d in drafts)
     check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype="int8w"))
+
+
+@torch.inference_mode()
+def test_compiled_steps_skip_model_guards_but_never_share_graphs(monkeypatch):
+    """Each model's compiled step drops dynamo's guards on the model (their check cost ~10 % of a one-row step) yet
+    keeps its own graphs: a Llama and a Qwen3 of the same sizes (Qwen3 adds q/k norms) each step as their eager
+    layers do, whichever compiled first; with one code object shared and no model guards, the second would run the
+    first's graph."""
+    from drafter_lib.model import Transformer
+
+    _compiler_or_skip(monkeypatch)
+    models = {}
+    for arch in ("llama", "qwen3"):
+        hf = tiny_hf(arch, num_hidden_layers=2)
+        models[arch] = Transformer.from_hf(hf.config.to_dict(), hf.state_dict()).eval()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(9).repeat(2, 1)
+    for arch, m in models.items():
+        step = kernels._compile_step(m)
+        out = {}
+        for name, compiled in (("eager", None), ("compiled", step)):
+            m.compiled_step = compiled
+            cache = m.new_cache(2, 12)
+            m.hidden(ids[:, :8], pos[:, :8], cache)  # a long-enough feed runs eager either way
+            out[name] = m.hidden(ids[:, 8:], pos[:, 8:], cache)
+        torch.testing.assert_close(out["compiled"], out["eager"], rtol=1e-4, atol=1e-4, msg=arch)
+        entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(step._torchdynamo_orig_callable.__code__)
+        assert entries and all("source=L['self']" not in str(e.guard_manager) for e in entries)
+    assert not torch._dynamo.eval_frame._debug_get_cache_entry_list(Transformer.cached_step.__code__)

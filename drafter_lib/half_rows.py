@@ -8,8 +8,9 @@ fp32 GEMM repacks the weight per call (`target_linears.py`), oneDNN's packed fp3
 row), torch's `_weight_int8pack_mm` has no vector path there (140 ms for 8 rows). `csrc/half_rows.cpp` converts each
 tile of the weight once and multiplies it into up to 8 rows' accumulators (the same 28 weights, side by side:
 1.2-1.6 ms for one row, 3.2-4.4 ms for 8; with software prefetch and 8 rows as two passes of 4, session 15, the
-drafter's 16 fused weights 1.9 -> 1.6 ms for one row and 6.7 -> 3.9 ms for 8). Each output keeps its own accumulator that sums in one fixed order, so a
-row's result is bit-identical alone or in a batch of any size (tested), the property the engine's drafts rest on.
+drafter's 16 fused weights 1.9 -> 1.6 ms for one row and 6.7 -> 3.9 ms for 8). Each output keeps its own
+accumulator that sums in one fixed order, so a row's result is bit-identical alone or in a batch of any size
+(tested), the property the engine's drafts rest on.
 
 It is built once per machine with torch's C++ extension builder (AVX2, FMA and F16C code; ~1 minute, cached under
 `~/.cache/torch_extensions`), only where the CPU has those instructions and a C++ compiler is there, and

@@ -69,6 +69,19 @@ def test_kept_where_a_batch_is_faster_and_one_row_no_slower():
     assert not half_rows.prefer_kernel(one | {"kernel": 7.0}, batch | {"kernel": 59.0}, "kernel", 0.03, "batched")
 
 
+def test_cached_choices_name_the_rule_and_the_kernel_source(monkeypatch, tmp_path):
+    """A choice measured against one kernel is not read back for another: the key carries the source's hash."""
+    src = tmp_path / "half_rows.cpp"
+    monkeypatch.setattr(half_rows, "SOURCE", src)
+    keys = []
+    for text, rule in (("one", "auto"), ("one", "auto"), ("two", "auto"), ("two", "batched")):
+        src.write_text(text)
+        monkeypatch.setenv("SPECDRAFT_HALF_ROWS", rule)
+        keys.append(half_rows.choice_key())
+    assert keys[0] == keys[1] and len(set(keys)) == 3
+    assert keys[3].startswith("rule=batched ") and keys[2].startswith("rule=auto ")
+
+
 def test_unavailable_says_why(monkeypatch):
     monkeypatch.setenv("SPECDRAFT_COMPILE", "0")
     assert "SPECDRAFT_COMPILE" in half_rows.kernel_unavailable()

@@ -275,6 +275,8 @@ def hold_measured(model, stored_rows: dict | None = None, approximate: bool = Fa
 
 STEP_CONTEXT = 256  # context of the timed step: a typical speculative request
 
+_STEPS = itertools.count()  # numbers each model's own copy of cached_step's code
+
 
 def _compile_step(model):
     """`model.cached_step` compiled for this model alone. Dynamo checks its guards before every call, and those on
@@ -288,9 +290,6 @@ def _compile_step(model):
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{next(_STEPS)}")
     own = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     return torch.compile(types.MethodType(own, model), dynamic=True, options={"guard_filter_fn": _not_on_model})
-
-
-_STEPS = itertools.count()
 
 
 def _not_on_model(entries) -> list[bool]:

@@ -377,7 +377,7 @@ def test_compiled_steps_skip_model_guards_but_never_share_graphs(monkeypatch):
         for name, compiled in (("eager", None), ("compiled", step)):
             m.compiled_step = compiled
             cache = m.new_cache(2, 12)
-            m.hidden(ids[:, :8], pos[:, :8], cache)  # a long-enough feed runs eager either way
+            m.hidden(ids[:, :8], pos[:, :8], cache)  # 8 tokens: through the step under test too
             out[name] = m.hidden(ids[:, 8:], pos[:, 8:], cache)
         torch.testing.assert_close(out["compiled"], out["eager"], rtol=1e-4, atol=1e-4, msg=arch)
         entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(step._torchdynamo_orig_callable.__code__)

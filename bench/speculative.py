@@ -4,6 +4,7 @@
                                 [--k 1 2 4 8 16] [--min-confidence 0.3 ...] [--dynamic-k 16 ...]
                                 [--targets hf hf-torch-linears hf-stock native]
                                 [--drafters engine http] [--engine-dtypes auto auto-approx] [--no-assisted]
+                                [--server-envs "" "OMP_NUM_THREADS=1" ...]
                                 [--json OUT]
 
 Targets: the default teacher (SmolLM2-135M-Instruct) as a transformers fp32 model and as the hand-written decoder
@@ -51,6 +52,9 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--drafters", nargs="+", default=["engine", "http"], choices=["engine", "http"])
     ap.add_argument("--engine-dtypes", nargs="+", default=[None], metavar="DTYPE",
                     help="in-process engine weight modes compared side by side (default: the model dir's own)")
+    ap.add_argument("--server-envs", nargs="+", default=[""], metavar="ENV",
+                    help="HTTP servers compared side by side, each started with these space-separated KEY=VALUE "
+                         "settings over this process's environment (\"\": as is), e.g. OMP_NUM_THREADS=1")
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
     ap.add_argument("--json", default=None, help="also write the rows here")
     return ap
@@ -79,17 +83,28 @@ from drafter_lib.speculative import HFTarget, NativeTarget, speculative_generate
 from drafter_lib.speedup import measure_cost  # noqa: E402
 
 
-def start_server(model_dir: str):
+def parse_env(settings: str) -> dict:
+    """ "A=1 B=2" -> {"A": "1", "B": "2"}; a word without "=" is an error the user should see at once."""
+    env = {}
+    for word in settings.split():
+        name, eq, value = word.partition("=")
+        if not eq or not name:
+            raise SystemExit(f"--server-envs: {word!r} is not KEY=VALUE")
+        env[name] = value
+    return env
+
+
+def start_server(model_dir: str, extra_env: dict | None = None):
     import socket
 
     with socket.socket() as s:  # a free loopback port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PORT": str(port), "HOST": "127.0.0.1", "MODEL_DIR": str(model_dir)}
+    env = {**os.environ, **(extra_env or {}), "PORT": str(port), "HOST": "127.0.0.1", "MODEL_DIR": str(model_dir)}
     proc = subprocess.Popen(["bash", str(ROOT / "serve.sh")], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     client = SpeculativeClient(f"http://127.0.0.1:{port}", timeout=120)
-    client.wait_ready(180, proc)
+    client.wait_ready(900, proc)  # a first load on a new machine times its kernels
     return proc, client
 
 
@@ -157,7 +172,7 @@ def assisted_rows(hf, assistant, prompts, max_new, stop) -> tuple[dict, dict]:
 
 
 def print_row(r: dict) -> None:
-    print(f"{r['target']:22} {r['drafter']:34} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {r.get('mal', 1.0):5.2f} "
+    print(f"{r['target']:22} {r['drafter']:50} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {r.get('mal', 1.0):5.2f} "
           f"{r.get('draft_s', 0):8.1f} {r.get('verify_s', r['seconds']):8.1f} {str(r['lossless']):>8}", flush=True)
 
 
@@ -186,10 +201,11 @@ def main(argv=None) -> list[dict]:
               + (f"; cached steps {engine.step_plan}" if engine.step_plan else ""))
         name = "engine" if len(args.engine_dtypes) == 1 else f"engine {engine.dtype}"
         drafters.update(draft_rows(name, engine, args, shipped))
-    proc = client = None
-    if "http" in args.drafters:
-        proc, client = start_server(args.model_dir)
-        drafters.update(draft_rows("http", client, args, shipped))
+    servers = []  # (process, client): one per --server-envs entry, each idle (asleep) while another drafts
+    for settings in args.server_envs if "http" in args.drafters else []:
+        servers.append(start_server(args.model_dir, parse_env(settings)))
+        name = "http" + (f" [{settings}]" if settings else "")
+        drafters.update(draft_rows(name, servers[-1][1], args, shipped))
 
     targets = {}
     if "hf" in args.targets:
@@ -205,7 +221,7 @@ def main(argv=None) -> list[dict]:
     for tname, target in targets.items():
         print(f"{tname}: linears {target.linears}")
     rows = []
-    header = (f"{'target':22} {'drafter':34} {'tok/s':>7} {'speedup':>7} {'MAL':>5} {'draft s':>8} {'verify s':>8} "
+    header = (f"{'target':22} {'drafter':50} {'tok/s':>7} {'speedup':>7} {'MAL':>5} {'draft s':>8} {'verify s':>8} "
               f"{'lossless':>8}")
     print(header)
     try:
@@ -244,10 +260,10 @@ def main(argv=None) -> list[dict]:
             rows += [{"target": "transformers generate", "drafter": "plain greedy", **plain, "speedup": 1.0,
                       "lossless": True}, r]
             for r in rows[-2:]:
-                print(f"{r['target']:22} {r['drafter']:34} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {'':5} {'':8} "
+                print(f"{r['target']:22} {r['drafter']:50} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {'':5} {'':8} "
                       f"{r['seconds']:8.1f} {str(r['lossless']):>8}", flush=True)
     finally:
-        if proc is not None:
+        for proc, client in servers:
             client.close()
             proc.terminate()
             proc.wait(30)

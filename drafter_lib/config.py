@@ -57,6 +57,7 @@ DEFAULT_SOURCE_WEIGHTS = {"synthetic": 1.3, "t0_train_prompts": 1.0, "gsm8k_trai
 class DataConfig:
     shared_data: str | None = "auto"  # extra prompt corpora; "auto": ../shared/data next to the repo, if present
     synthetic_n: int = 2300
+    self_prompts: int = 0  # user turns the teacher writes from its chat template's user header (0: none)
     total_prompts: int | None = 6000  # None: every prompt the sources give (weights only subsample)
     source_weights: dict[str, float] | None = field(default_factory=lambda: dict(DEFAULT_SOURCE_WEIGHTS))
     heldout_frac: float = 0.04

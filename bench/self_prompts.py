@@ -41,7 +41,6 @@ def main(argv=None):
                           DEFAULT_SAMPLING["top_p"], stop, args.decode_rows)
             st = stats[name]
             st["s"] += time.perf_counter() - t
-            rows = [r[: next((i + 1 for i, x in enumerate(r) if x in stop), len(r))] for r in rows]  # hf pads
             turns = whole_turns(tok, rows, stop)
             st["rows"] += len(rows)
             st["tokens"] += sum(map(len, rows))

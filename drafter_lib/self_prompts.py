@@ -4,7 +4,8 @@ Given only the text a chat turn starts with (`<|im_start|>user\\n`), an instruct
 was tuned to answer: open writing, advice, plans, code, explanations - the chat prompts the shared corpora (T0 tasks,
 GSM8K questions) lack. A turn is kept only when the model closed it itself (a stop token before the cap). Each batch
 draws from its own seed, so the rows do not depend on how many batches ran before; batches are appended to a JSONL
-cache as they finish, so an interrupted data stage resumes where it stopped and a finished one is read back.
+cache as they finish, a line each, so an interrupted data stage resumes where it stopped and a finished one is read
+back.
 """
 from __future__ import annotations
 
@@ -14,8 +15,6 @@ from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
-
-from .io_utils import atomic_write_text
 
 CORPUS = "self_prompts"
 _MARK = "\u2063specdraft-user-turn\u2063"  # a placeholder no template rewrites
@@ -35,26 +34,10 @@ def user_header(tokenizer) -> str:
     return text.split(_MARK)[0]
 
 
-def record(text: str, batch: int) -> dict:
+def record(text: str) -> dict:
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return {"id": f"{CORPUS}/{digest}", "source": CORPUS, "category": CORPUS, "batch": batch,
+    return {"id": f"{CORPUS}/{digest}", "source": CORPUS, "category": CORPUS,
             "messages": [{"role": "user", "content": text}]}
-
-
-def _read_cache(path: Path) -> list[dict]:
-    """The cached rows; a line cut by a kill drops its whole batch (drawn again) and the file is repaired."""
-    rows, damaged = [], False
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            damaged = True
-            break
-    if damaged:
-        last = max((r["batch"] for r in rows), default=-1)
-        rows = [r for r in rows if r["batch"] != last]
-        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    return rows
 
 
 def nucleus_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator,
@@ -100,6 +83,8 @@ def sample_native(model, header_ids: list[int], rows: int, seed: int, max_new_to
 def sample_hf(model, header_ids: list[int], rows: int, seed: int, max_new_tokens: int, temperature: float,
               top_p: float, stop_ids: list[int], decode_rows: int = 64) -> list[list[int]]:
     """The same with transformers' `generate` (any architecture, any device), static batches of `decode_rows`."""
+    from .teacher import cut_at_stop
+
     torch.manual_seed(seed)
     outs = []
     for i in range(0, rows, decode_rows):
@@ -107,7 +92,7 @@ def sample_hf(model, header_ids: list[int], rows: int, seed: int, max_new_tokens
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
                              top_p=top_p, top_k=0, max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
                              pad_token_id=stop_ids[0])
-        outs += out[:, ids.shape[1]:].tolist()
+        outs += [cut_at_stop(row, stop_ids, max_new_tokens) for row in out[:, ids.shape[1]:].tolist()]  # no padding
     return outs
 
 
@@ -138,7 +123,7 @@ def self_prompts(model, tokenizer, n: int, seed: int = 0, cache_path: str | Path
     and new ones appended. `sampling`: DEFAULT_SAMPLING's names. backend: "native" (the hand-written decoder,
     several times faster on CPU), "hf" (`generate`) or "auto" (native on CPU for Llama/Qwen3, as the teacher stage
     chooses); each gives its own rows for a seed."""
-    from .teacher import stop_token_ids
+    from .teacher import read_rows, stop_token_ids
     from .teacher_backends import NativeBackend, make_backend
 
     cfg = sampling_settings(**sampling)
@@ -151,10 +136,11 @@ def self_prompts(model, tokenizer, n: int, seed: int = 0, cache_path: str | Path
         raise ValueError(f"need temperature > 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     cache = Path(cache_path) if cache_path else None
     by_text, next_batch = {}, 0
-    for r in _read_cache(cache) if cache is not None and cache.is_file() else []:
-        next_batch = max(next_batch, r["batch"] + 1)
-        if r["messages"]:  # None: a batch that gave nothing new (recorded so a resume does not redraw it)
-            by_text.setdefault(r["messages"][0]["content"], r)
+    # one line per batch: a line cut by a kill is that whole batch, dropped (and drawn again) by the repair
+    for line in read_rows(cache, repair=True) if cache is not None else []:
+        next_batch = max(next_batch, line["batch"] + 1)
+        for text in line["turns"]:
+            by_text.setdefault(text, record(text))
     header = tokenizer(user_header(tokenizer), add_special_tokens=False)["input_ids"]
     stop = stop_token_ids(tokenizer)
     if len(by_text) < n:
@@ -163,18 +149,17 @@ def self_prompts(model, tokenizer, n: int, seed: int = 0, cache_path: str | Path
     max_batches = max(1, -(-4 * n // batch_rows))
     bar = tqdm(total=n, initial=min(len(by_text), n), desc="self prompts", unit="turn", disable=not progress)
     while len(by_text) < n and next_batch < max_batches:
-        new = []
+        new = []  # the batch's turns not seen before (maybe none: the line still marks the batch as drawn)
         rows = sample(net, header, batch_rows, seed * 100003 + next_batch, max_new_tokens, temperature, top_p, stop,
                       cfg["decode_rows"])
         for text in whole_turns(tokenizer, rows, stop):
             if text not in by_text:
-                by_text[text] = record(text, next_batch)
-                new.append(by_text[text])
-        if cache is not None:  # one append per batch: a kill loses at most the batch in flight
+                by_text[text] = record(text)
+                new.append(text)
+        if cache is not None:  # one line per batch: a kill loses at most the batch in flight
             cache.parent.mkdir(parents=True, exist_ok=True)
             with open(cache, "a", encoding="utf-8") as fh:
-                fh.write("".join(json.dumps(r, ensure_ascii=False) + "\n"
-                                 for r in new or [{"batch": next_batch, "messages": None}]))
+                fh.write(json.dumps({"batch": next_batch, "turns": new}, ensure_ascii=False) + "\n")
         bar.update(min(len(by_text), n) - bar.n)
         next_batch += 1
     bar.close()

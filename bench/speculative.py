@@ -1,6 +1,6 @@
 """End to end: wall-clock tokens/s of speculative vs plain greedy decoding, on the same target implementation.
 
-    python bench/speculative.py [--model-dir model] [--prompts FILE] [--n 12] [--max-new-tokens 256]
+    python bench/speculative.py [--model-dir model [model2 ...]] [--prompts FILE] [--n 12] [--max-new-tokens 256]
                                 [--k 1 2 4 8 16] [--min-confidence 0.3 ...] [--dynamic-k 16 ...]
                                 [--targets hf hf-torch-linears hf-stock native]
                                 [--drafters engine http] [--engine-dtypes auto auto-approx] [--no-assisted]
@@ -9,7 +9,8 @@
 
 Targets: the default teacher (SmolLM2-135M-Instruct) as a transformers fp32 model and as the hand-written decoder
 (each with its linears chosen by measurement, `target_linears.py`; `hf-torch-linears` and `hf-stock` keep torch's).
-Drafters: the packed drafter in process (`DraftEngine`), and over HTTP through `serve.sh` on 127.0.0.1. Every row
+Drafters: the packed drafter in process (`DraftEngine`), and over HTTP through `serve.sh` on 127.0.0.1; several
+packs (`--model-dir A B`, e.g. two shapes) run in the same interleaved rows, each named by its directory. Every row
 is checked lossless (its tokens equal the target's plain greedy tokens) and says where the time went (draft vs
 verify). Rows run interleaved, prompt by prompt, so the machine's drift weighs on all of them alike. Before
 them, `speedup.measure_cost` prints each target's v_k (a verify step of k + 1 tokens in one-token steps) and the
@@ -34,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def make_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model-dir", default=str(ROOT / "model"))
+    ap.add_argument("--model-dir", nargs="+", default=[str(ROOT / "model")],
+                    help="one pack, or several compared side by side (their rows are named by directory)")
     ap.add_argument("--prompts", default=None, help="held-out prompt file (project format or question.jsonl)")
     ap.add_argument("--n", type=int, default=12, help="prompts, spread over categories")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -106,6 +108,18 @@ def start_server(model_dir: str, extra_env: dict | None = None):
     client = SpeculativeClient(f"http://127.0.0.1:{port}", timeout=120)
     client.wait_ready(900, proc)  # a first load on a new machine times its kernels
     return proc, client
+
+
+def pack_labels(model_dirs: list[str]) -> list[str]:
+    """Row-name prefixes of the packs: none for a single pack; else each directory's name, or its parent's where the
+    pack is a run's `model/` (runs/NAME/model -> NAME); the full path where two names would clash."""
+    if len(model_dirs) == 1:
+        return [""]
+    paths = [Path(d) for d in model_dirs]
+    if len(set(p.resolve() for p in paths)) < len(paths):
+        raise SystemExit("--model-dir: the same pack twice")
+    names = [(p.resolve().parent.name if p.name == "model" else p.name) for p in paths]
+    return names if len(set(names)) == len(names) else [str(p) for p in paths]
 
 
 class ConfidenceDrafter:
@@ -188,24 +202,25 @@ def main(argv=None) -> list[dict]:
           f"torch {torch.__version__}  threads {torch.get_num_threads()}  "
           f"OpenMP wait: {WAIT}")
     print(f"{len(prompts)} prompts over {len(cats)} categories ({', '.join(cats)}), max {args.max_new_tokens} new "
-          f"tokens, drafter {args.model_dir}")
+          f"tokens, drafter {' '.join(args.model_dir)}")
 
-    drafters, engines = {}, []
-    # the pack's default threshold (pack.min_confidence), what a request that sets none gets
-    shipped = json.loads((Path(args.model_dir) / "config.json").read_text()).get("draft_min_confidence")
-    for dtype in args.engine_dtypes if "engine" in args.drafters else []:
-        engine = DraftEngine.from_dir(args.model_dir, dtype=dtype)
-        engines.append(engine)
-        plan = ", ".join(f"{s}: {v['path']}" for s, v in (engine.kernels or {}).items())
-        print(f"engine weights: {engine.dtype}" + (f" ({plan})" if plan else "")
-              + (f"; cached steps {engine.step_plan}" if engine.step_plan else ""))
-        name = "engine" if len(args.engine_dtypes) == 1 else f"engine {engine.dtype}"
-        drafters.update(draft_rows(name, engine, args, shipped))
-    servers = []  # (process, client): one per --server-envs entry, each idle (asleep) while another drafts
-    for settings in args.server_envs if "http" in args.drafters else []:
-        servers.append(start_server(args.model_dir, parse_env(settings)))
-        name = "http" + (f" [{settings}]" if settings else "")
-        drafters.update(draft_rows(name, servers[-1][1], args, shipped))
+    drafters, engines = {}, []  # engines: (pack label, engine), the first of each pack times its c
+    servers = []  # (process, client): one per pack and --server-envs entry, each idle (asleep) while another drafts
+    for label, model_dir in zip(pack_labels(args.model_dir), args.model_dir):
+        # the pack's default threshold (pack.min_confidence), what a request that sets none gets
+        shipped = json.loads((Path(model_dir) / "config.json").read_text()).get("draft_min_confidence")
+        for dtype in args.engine_dtypes if "engine" in args.drafters else []:
+            engine = DraftEngine.from_dir(model_dir, dtype=dtype)
+            engines.append((label, engine))
+            plan = ", ".join(f"{s}: {v['path']}" for s, v in (engine.kernels or {}).items())
+            print(f"{label or 'engine'} weights: {engine.dtype}" + (f" ({plan})" if plan else "")
+                  + (f"; cached steps {engine.step_plan}" if engine.step_plan else ""))
+            name = " ".join(filter(None, [label, "engine", engine.dtype if len(args.engine_dtypes) > 1 else ""]))
+            drafters.update(draft_rows(name, engine, args, shipped))
+        for settings in args.server_envs if "http" in args.drafters else []:
+            servers.append(start_server(model_dir, parse_env(settings)))
+            name = " ".join(filter(None, [label, "http", f"[{settings}]" if settings else ""]))
+            drafters.update(draft_rows(name, servers[-1][1], args, shipped))
 
     targets = {}
     if "hf" in args.targets:
@@ -226,12 +241,16 @@ def main(argv=None) -> list[dict]:
     print(header)
     try:
         for tname, target in targets.items():
-            costs = measure_cost(engines[0], target, ks=(1, 2, 4, 8, 16)) if engines else None
-            if costs:
+            costs = {}  # per pack: its first engine against this target
+            for label, engine in engines:
+                if label in costs:
+                    continue
+                costs[label] = c = measure_cost(engine, target, ks=(1, 2, 4, 8, 16))
                 print(f"{tname}: a verify step of k drafted + 1 tokens costs "
-                      + ", ".join(f"k={k}: {v:.2f}" for k, v in costs["v_at_k"].items())
-                      + f" one-token steps; a drafted token c = {costs['c']:.3f} (at {costs['context']} tokens of "
-                      "context)", flush=True)
+                      + ", ".join(f"k={k}: {v:.2f}" for k, v in c["v_at_k"].items())
+                      + f" one-token steps; a drafted token of {label or 'the pack'} c = {c['c']:.3f} (at "
+                      f"{c['context']} tokens of context)", flush=True)
+            costs = costs.get("") if list(costs) == [""] else costs or None  # one pack: as before
             res = run_interleaved(target, prompts, args.max_new_tokens, stop,
                                   {"plain greedy": (None, 0), **drafters})
             plain = res.pop("plain greedy")
@@ -249,14 +268,15 @@ def main(argv=None) -> list[dict]:
             if best is not None:
                 print(f"fastest on {tname}: {best['drafter']} ({best['speedup']:.2f}x)"
                       + (f"; best threshold: {dyn['drafter']} ({dyn['speedup']:.2f}x)" if dyn else ""), flush=True)
-        if not args.no_assisted:
+        for label, model_dir in zip(pack_labels(args.model_dir), args.model_dir) if not args.no_assisted else ():
             from drafter_lib.export import export_hf
 
             with tempfile.TemporaryDirectory() as d:
-                assistant = export_hf(args.model_dir, Path(d) / "hf")
+                assistant = export_hf(model_dir, Path(d) / "hf")
             plain, assisted = assisted_rows(hf, assistant, prompts, args.max_new_tokens, stop)
-            r = {"target": "transformers generate", "drafter": "assistant_model", **assisted,
-                 "speedup": assisted["tok_s"] / plain["tok_s"], "lossless": assisted["outputs"] == plain["outputs"]}
+            r = {"target": "transformers generate", "drafter": " ".join(filter(None, [label, "assistant_model"])),
+                 **assisted, "speedup": assisted["tok_s"] / plain["tok_s"],
+                 "lossless": assisted["outputs"] == plain["outputs"]}
             rows += [{"target": "transformers generate", "drafter": "plain greedy", **plain, "speedup": 1.0,
                       "lossless": True}, r]
             for r in rows[-2:]:

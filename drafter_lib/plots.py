@@ -72,7 +72,7 @@ def per_category(results: Mapping[str, dict], path, title: str = "Mean acceptanc
     ax.set_xticklabels(cats, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("tokens per target step")
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)  # beside the bars, not on them
     return save_figure(fig, path)
 
 

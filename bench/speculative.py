@@ -204,14 +204,15 @@ def main(argv=None) -> list[dict]:
     print(f"{len(prompts)} prompts over {len(cats)} categories ({', '.join(cats)}), max {args.max_new_tokens} new "
           f"tokens, drafter {' '.join(args.model_dir)}")
 
-    drafters, engines = {}, []  # engines: (pack label, engine), the first of each pack times its c
+    packs = list(zip(pack_labels(args.model_dir), args.model_dir))
+    drafters, pack_engines = {}, {}  # pack_engines: label -> the pack's first engine, which times its c
     servers = []  # (process, client): one per pack and --server-envs entry, each idle (asleep) while another drafts
-    for label, model_dir in zip(pack_labels(args.model_dir), args.model_dir):
+    for label, model_dir in packs:
         # the pack's default threshold (pack.min_confidence), what a request that sets none gets
         shipped = json.loads((Path(model_dir) / "config.json").read_text()).get("draft_min_confidence")
         for dtype in args.engine_dtypes if "engine" in args.drafters else []:
             engine = DraftEngine.from_dir(model_dir, dtype=dtype)
-            engines.append((label, engine))
+            pack_engines.setdefault(label, engine)
             plan = ", ".join(f"{s}: {v['path']}" for s, v in (engine.kernels or {}).items())
             print(f"{label or 'engine'} weights: {engine.dtype}" + (f" ({plan})" if plan else "")
                   + (f"; cached steps {engine.step_plan}" if engine.step_plan else ""))
@@ -241,16 +242,13 @@ def main(argv=None) -> list[dict]:
     print(header)
     try:
         for tname, target in targets.items():
-            costs = {}  # per pack: its first engine against this target
-            for label, engine in engines:
-                if label in costs:
-                    continue
-                costs[label] = c = measure_cost(engine, target, ks=(1, 2, 4, 8, 16))
+            costs = {label: measure_cost(engine, target, ks=(1, 2, 4, 8, 16)) for label, engine in pack_engines.items()}
+            for label, c in costs.items():
                 print(f"{tname}: a verify step of k drafted + 1 tokens costs "
                       + ", ".join(f"k={k}: {v:.2f}" for k, v in c["v_at_k"].items())
                       + f" one-token steps; a drafted token of {label or 'the pack'} c = {c['c']:.3f} (at "
                       f"{c['context']} tokens of context)", flush=True)
-            costs = costs.get("") if list(costs) == [""] else costs or None  # one pack: as before
+            costs = costs.get("", costs) or None  # one pack: its costs, as before; several: keyed by pack
             res = run_interleaved(target, prompts, args.max_new_tokens, stop,
                                   {"plain greedy": (None, 0), **drafters})
             plain = res.pop("plain greedy")
@@ -268,7 +266,7 @@ def main(argv=None) -> list[dict]:
             if best is not None:
                 print(f"fastest on {tname}: {best['drafter']} ({best['speedup']:.2f}x)"
                       + (f"; best threshold: {dyn['drafter']} ({dyn['speedup']:.2f}x)" if dyn else ""), flush=True)
-        for label, model_dir in zip(pack_labels(args.model_dir), args.model_dir) if not args.no_assisted else ():
+        for label, model_dir in [] if args.no_assisted else packs:
             from drafter_lib.export import export_hf
 
             with tempfile.TemporaryDirectory() as d:

@@ -197,7 +197,7 @@ def _smoke() -> StudyConfig:
         data=DataConfig(shared_data=None, synthetic_n=160, total_prompts=None, source_weights=None, heldout_frac=0.1,
                         max_prompt_tokens=384, humaneval=False),
         teacher=TeacherConfig(max_new_tokens=24),
-        train=TrainConfig(steps=24, qat_steps=8, batch_size=8, max_seq_len=320, lr=2e-3, qat_lr=2e-4, warmup_steps=4,
+        train=TrainConfig(steps=24, qat_steps=8, batch_size=8, max_seq_len=408, lr=2e-3, qat_lr=2e-4, warmup_steps=4,
                           qat_warmup_steps=2, eval_every=12, ckpt_every=12, log_every=4, val_fraction=0.1,
                           max_eval_batches=2),
         quant=QuantSection(group_size=32),

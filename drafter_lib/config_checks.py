@@ -180,3 +180,16 @@ def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = Tr
     _check_heldout_files(e.heldout_files)
     if check_models:
         _check_model_sizes(cfg, allow_download)
+
+
+def waste_notes(cfg: StudyConfig) -> list[str]:
+    """Combinations that run but throw work away (not errors: the run is still valid), one line each for the study
+    to print before any stage. Today: training rows shorter than the longest prompt plus its answer, so the teacher
+    writes continuations that training then cuts or drops (the presets size max_seq_len to fit both)."""
+    d, t, tr = cfg.data, cfg.teacher, cfg.train
+    need = d.max_prompt_tokens + t.max_new_tokens
+    if tr.max_seq_len >= need:
+        return []
+    return [f"train.max_seq_len={tr.max_seq_len} is below data.max_prompt_tokens + teacher.max_new_tokens = {need}: "
+            f"training cuts the teacher's longer rows, and drops those whose prompt alone fills "
+            f"{tr.max_seq_len} tokens; set train.max_seq_len={need} to use all of them"]

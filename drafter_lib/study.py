@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from . import config as C
+from .config_checks import waste_notes
 from .io_utils import read_json, write_json
 from .layout import NOTEBOOKS_DIR, REPO_ROOT, RESULTS_DIR, RunLayout, portable_path, repo_relative
 from .openmp_wait import bounded_spin
@@ -75,6 +76,8 @@ def run_study(preset: str = "default", name: str | None = None, runs_dir: str | 
     if shared_data is not None:
         overrides["data.shared_data"] = shared_data
     cfg = C.build_config(preset, overrides)
+    for note in waste_notes(cfg):
+        print(f"[study] note: {note}", file=sys.stderr)
     wanted = stages or list(STAGES)
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
@@ -166,6 +169,8 @@ def main(argv=None):
         if args.check:
             cfg = C.build_config(args.preset, {**overrides, **({"data.shared_data": shared} if shared else {})})
             print(json.dumps(cfg.to_dict(), indent=2))
+            for note in waste_notes(cfg):
+                print(f"note: {note}", file=sys.stderr)
             return {"config": cfg}
         t0 = time.time()
         res = run_study(args.preset, args.name, args.runs_dir, shared, args.force, args.stages, overrides,

@@ -1,5 +1,6 @@
 """The typed study config: presets, overrides and their round trips, and one failure per class of bad value (each
 message names the key), all before any stage runs."""
+import json
 import time
 
 import pytest
@@ -194,3 +195,18 @@ def test_cli_rejects_a_bad_config_before_running_anything(capsys):
     assert not RunLayout.named("never-created").root.exists()
     res = study.main(["--preset", "smoke", "--check", "--set", "eval.k=3", "publish=true"])
     assert res["config"].eval.k == 3 and res["config"].pack.publish is True
+
+
+def test_training_rows_too_short_for_the_teachers_rows_are_noted_not_refused(capsys):
+    from drafter_lib import study
+    from drafter_lib.config_checks import waste_notes
+
+    for name in C.PRESETS:  # every preset sizes its training rows to the longest prompt plus its answer
+        assert waste_notes(C.build_config(name, check_models=False)) == []
+    cfg = C.build_config("smoke", {"data.max_prompt_tokens": 1000})
+    (note,) = waste_notes(cfg)
+    assert note.startswith("train.max_seq_len=408 is below") and "set train.max_seq_len=1024" in note
+    study.main(["--preset", "smoke", "--set", "data.max_prompt_tokens=1000", "--check"])
+    out = capsys.readouterr()
+    assert C.StudyConfig.from_dict(json.loads(out.out)) == cfg  # stdout stays the config alone
+    assert "note: train.max_seq_len=408" in out.err

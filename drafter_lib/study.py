@@ -67,6 +67,12 @@ def _scrub_papermill_paths(path: Path) -> None:
     nbformat.write(nb, str(path))
 
 
+def print_waste_notes(cfg: C.StudyConfig) -> None:
+    """On stderr, so `--check`'s stdout stays the config alone: what the config runs but throws away."""
+    for note in waste_notes(cfg):
+        print(f"[study] note: {note}", file=sys.stderr)
+
+
 def run_study(preset: str = "default", name: str | None = None, runs_dir: str | Path | None = None,
               shared_data: str | None = None, force: bool = False, stages: list[str] | None = None,
               overrides: dict | None = None, log_output: bool = False, kernel: str = "python3") -> dict:
@@ -76,8 +82,7 @@ def run_study(preset: str = "default", name: str | None = None, runs_dir: str | 
     if shared_data is not None:
         overrides["data.shared_data"] = shared_data
     cfg = C.build_config(preset, overrides)
-    for note in waste_notes(cfg):
-        print(f"[study] note: {note}", file=sys.stderr)
+    print_waste_notes(cfg)
     wanted = stages or list(STAGES)
     unknown = [s for s in wanted if s not in STAGES]
     if unknown:
@@ -169,8 +174,7 @@ def main(argv=None):
         if args.check:
             cfg = C.build_config(args.preset, {**overrides, **({"data.shared_data": shared} if shared else {})})
             print(json.dumps(cfg.to_dict(), indent=2))
-            for note in waste_notes(cfg):
-                print(f"note: {note}", file=sys.stderr)
+            print_waste_notes(cfg)
             return {"config": cfg}
         t0 = time.time()
         res = run_study(args.preset, args.name, args.runs_dir, shared, args.force, args.stages, overrides,

@@ -19,7 +19,8 @@ from torch import nn
 
 from .train_data import IGNORE
 
-__all__ = ["LOSSES", "LossModule", "topk_divergence", "teacher_target_logits", "lr_lambda", "make_optimizer"]
+__all__ = ["LOSSES", "LossModule", "topk_divergence", "divergence_from_log_q", "teacher_target_logits", "lr_lambda",
+           "make_optimizer"]
 
 LOSSES = ("ce", "kl_topk", "tv")
 
@@ -29,19 +30,23 @@ def topk_divergence(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Ten
     ids [N, K]: teacher top-K ids (head rows); logprobs [N, K]: their teacher log-probs. kind: "kl_topk" or "tv".
     An id < 0 is a teacher token the (reduced) head cannot emit: its mass joins the tail bucket; a row whose
     top-K lies wholly outside the head carries no loss (as a masked hard target)."""
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    return divergence_from_log_q(F.log_softmax(x, -1), ids, logprobs, kind)
+
+
+def divergence_from_log_q(log_q: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """topk_divergence from the student's log-probabilities [N, V] (one log_softmax, shared with the CE)."""
     if kind not in ("kl_topk", "tv"):
         raise ValueError(f"unknown soft loss {kind!r}; expected 'kl_topk' or 'tv'")
-    x = logits if logits.dtype == torch.float64 else logits.float()
     ids = ids.long()
     valid = ids >= 0
     any_valid = valid.any(-1)
     # stand-in for an id outside the head: the row's first valid id (a duplicate changes neither sum below)
     first = ids.gather(-1, valid.to(torch.int8).argmax(-1, keepdim=True))
     safe = torch.where(valid, ids, first).clamp_min(0)
-    lse = torch.logsumexp(x, -1, keepdim=True)
-    s_top = x.gather(-1, safe) - lse                                        # student log q at the top-K ids
-    s_tail = torch.logsumexp(x.scatter(-1, safe, float("-inf")), -1) - lse[:, 0]  # log of the rest's mass
-    t_top = logprobs.to(x.dtype)
+    s_top = log_q.gather(-1, safe)                                          # student log q at the top-K ids
+    s_tail = _log_tail_mass(log_q, safe)
+    t_top = logprobs.to(log_q.dtype)
     p = t_top.exp() * valid
     p_tail = (1 - p.sum(-1)).clamp_min(0)  # fp16-stored log-probs can sum a hair over 1
     if kind == "kl_topk":
@@ -49,6 +54,20 @@ def topk_divergence(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Ten
     else:
         per = 0.5 * ((p - s_top.exp() * valid).abs().sum(-1) + (p_tail - s_tail.exp()).abs())
     return torch.where(any_valid, per, torch.zeros_like(per))
+
+
+def _log_tail_mass(log_q: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """log of the student's mass outside the ids `top` [N, K], per row. A sum of probabilities costs one exp
+    pass over [N, V] (its backward reuses it), where a logsumexp costs one each way; the rare row whose tail
+    underflows that sum is recomputed exactly."""
+    tail = log_q.exp().scatter(-1, top, 0.0).sum(-1)
+    tiny = torch.finfo(log_q.dtype).tiny
+    out = tail.clamp_min(tiny).log()
+    under = (tail < tiny).nonzero()[:, 0]
+    if len(under):
+        exact = torch.logsumexp(log_q[under].scatter(-1, top[under], float("-inf")), -1)
+        out = out.index_put((under,), exact)
+    return out
 
 
 class LossModule(nn.Module):
@@ -73,18 +92,19 @@ class LossModule(nn.Module):
             if soft_ids is None:
                 raise ValueError(f"loss={loss!r} / loss_on_prompt need soft labels in the batch")
             sel = (cont | soft_mask) if loss_on_prompt else cont
-            logits = self.lm.lm_head(h[sel]).float()
+            logits = self.lm.lm_head(h[sel])
+            log_q = F.log_softmax(logits.float(), -1)   # the one pass over [N, V] that CE and the loss share
             is_cont = cont[sel]
-            ce = F.cross_entropy(logits[is_cont], targets[sel][is_cont], reduction="sum")
+            tgt = targets[sel]
+            ce = -(log_q.detach().gather(-1, tgt.clamp_min(0)[:, None])[:, 0] * is_cont).sum()
             if loss == "ce":  # prompt positions: the teacher's top-1 as the hard target
                 top1 = soft_ids[sel][:, 0]
-                top1 = torch.where(top1 < 0, IGNORE, top1)  # a top-1 outside the draft vocab: no loss
-                per = F.cross_entropy(logits, torch.where(is_cont, targets[sel], top1), reduction="none",
-                                      ignore_index=IGNORE)
+                hard = torch.where(is_cont, tgt, top1)  # a top-1 outside the draft vocab (< 0): no loss
+                per = -log_q.gather(-1, hard.clamp_min(0)[:, None])[:, 0] * (hard >= 0)
             else:
                 if not bool(soft_mask[cont].all()):
                     raise ValueError("a continuation position has no soft label")
-                per = topk_divergence(logits, soft_ids[sel], soft_logprobs[sel], loss)
+                per = divergence_from_log_q(log_q, soft_ids[sel], soft_logprobs[sel], loss)
             obj = (per * torch.where(is_cont, 1.0, float(prompt_weight))).sum()
             logits = logits[is_cont]  # the KL-to-teacher term below runs on continuation positions
         if teacher_logits is None or kl_weight == 0:
@@ -120,8 +140,12 @@ def make_optimizer(model: nn.Module, cfg, phase: str):
     params = list({id(p): p for p in model.parameters() if p.requires_grad}.values())  # tied weights once
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
+    # the fused kernel: one pass per tensor instead of one per op (on 2 CPU cores ~6x faster for this model's
+    # 47M parameters, ~10 % of a training step); the same update up to float rounding
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=tuple(cfg.betas))
+                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=tuple(cfg.betas),
+                            fused=fused or None)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, total, warm, cfg.schedule, cfg.min_lr_ratio))
     return opt, sched

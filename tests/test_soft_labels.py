@@ -214,3 +214,65 @@ def test_a_part_is_byte_identical_across_processes(tmp_path):
         subprocess.run([sys.executable, "-c", code, str(out)], check=True, cwd=Path(__file__).resolve().parents[1])
         outs.append(out.read_bytes())
     assert all(o == outs[0] for o in outs[1:])
+
+
+@pytest.mark.parametrize("kind", ["kl_topk", "tv"])
+def test_topk_loss_when_the_students_tail_underflows(kind):
+    """A student that puts (numerically) all its mass on the teacher's top-K: the tail's log-mass is recomputed
+    exactly instead of log(0), so the loss and its gradient stay finite and equal the float64 values."""
+    V = 40
+    _, ids, lp = teacher_topk(V)
+    x = torch.full((5, V), -300.0, dtype=torch.float64)
+    x.scatter_(1, ids, 0.0)
+    want = topk_divergence(x, ids, lp, kind)
+    y = x.float().requires_grad_(True)
+    got = topk_divergence(y, ids, lp.float(), kind)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    assert torch.isfinite(y.grad).all()
+
+
+@pytest.mark.parametrize("loss", ["kl_topk", "tv", "ce"])
+def test_loss_module_equals_the_losses_written_out(loss):
+    """The training objective over continuation and soft-labelled prompt positions, and the continuation CE it
+    reports, against the same sums computed position by position from the model's full logits."""
+    from test_model import tiny_hf
+
+    from drafter_lib.train_data import IGNORE
+    from drafter_lib.train_loss import LossModule
+
+    lm = tiny_hf("llama", vocab_size=V_LM)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V_LM, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    targets = torch.full_like(ids, IGNORE)
+    targets[:, 5:8] = torch.randint(0, V_LM, (2, 3), generator=g)        # continuation positions
+    soft_mask = torch.zeros_like(ids, dtype=torch.bool)
+    soft_mask[:, 1:8] = True                                              # prompt positions 1-4 + continuation
+    soft_lp, soft_ids = torch.log_softmax(torch.randn(2, 9, V_LM, generator=g) * 2, -1).topk(K, -1)
+    soft_ids[0, 2, 0] = -1                                                # a top-1 outside the draft vocab
+    obj, ce = LossModule(lm)(ids, mask, targets, soft_ids=soft_ids, soft_logprobs=soft_lp, soft_mask=soft_mask,
+                             loss=loss, loss_on_prompt=True, prompt_weight=0.5)
+    with torch.no_grad():
+        logits = lm(ids, attention_mask=mask).logits
+    want_obj, want_ce = 0.0, 0.0
+    for b in range(2):
+        for t in range(9):
+            cont = bool(targets[b, t] != IGNORE)
+            if cont:
+                want_ce += torch.nn.functional.cross_entropy(logits[b, t][None], targets[b, t][None])
+            if not (cont or soft_mask[b, t]):
+                continue
+            if loss == "ce":
+                hard = targets[b, t] if cont else soft_ids[b, t, 0]
+                per = torch.nn.functional.cross_entropy(logits[b, t][None], hard[None]) if hard >= 0 else 0.0
+            else:
+                per = topk_divergence(logits[b, t][None].double(), soft_ids[b, t][None], soft_lp[b, t][None].double(),
+                                      loss)[0]
+            want_obj += per * (1.0 if cont else 0.5)
+    torch.testing.assert_close(ce.double(), torch.as_tensor(want_ce).double(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(obj.detach().double(), torch.as_tensor(want_obj).double(), rtol=1e-5, atol=1e-5)
+
+
+V_LM = 50

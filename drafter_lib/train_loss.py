@@ -71,8 +71,9 @@ def _log_tail_mass(log_q: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
 
 
 class LossModule(nn.Module):
-    """Wraps the HF causal LM so DDP sees one forward: hidden states -> lm_head only at target positions
-    (prompt/pad positions never pay for the vocab projection) -> summed CE (+ KL)."""
+    """Wraps the HF causal LM so DDP sees one forward: hidden states -> lm_head only at loss positions
+    (continuation positions, plus soft-labelled prompt positions with loss_on_prompt; the rest never pay for the
+    vocab projection) -> summed objective and continuation CE (+ KL)."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()

@@ -70,6 +70,11 @@ def _log_tail_mass(log_q: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _nll(log_q: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """-log q at `ids` [N], per row; 0 where the id is < 0 (IGNORE, or a token outside the draft vocab)."""
+    return -log_q.gather(-1, ids.clamp_min(0)[:, None])[:, 0] * (ids >= 0)
+
+
 class LossModule(nn.Module):
     """Wraps the HF causal LM so DDP sees one forward: hidden states -> lm_head only at loss positions
     (continuation positions, plus soft-labelled prompt positions with loss_on_prompt; the rest never pay for the
@@ -93,15 +98,13 @@ class LossModule(nn.Module):
             if soft_ids is None:
                 raise ValueError(f"loss={loss!r} / loss_on_prompt need soft labels in the batch")
             sel = (cont | soft_mask) if loss_on_prompt else cont
-            logits = self.lm.lm_head(h[sel])
-            log_q = F.log_softmax(logits.float(), -1)   # the one pass over [N, V] that CE and the loss share
+            logits = self.lm.lm_head(h[sel]).float()
+            log_q = F.log_softmax(logits, -1)   # the one pass over [N, V] that CE and the loss share
             is_cont = cont[sel]
-            tgt = targets[sel]
-            ce = -(log_q.detach().gather(-1, tgt.clamp_min(0)[:, None])[:, 0] * is_cont).sum()
+            tgt = targets[sel]  # IGNORE (< 0) at prompt positions
+            ce = _nll(log_q.detach(), tgt).sum()
             if loss == "ce":  # prompt positions: the teacher's top-1 as the hard target
-                top1 = soft_ids[sel][:, 0]
-                hard = torch.where(is_cont, tgt, top1)  # a top-1 outside the draft vocab (< 0): no loss
-                per = -log_q.gather(-1, hard.clamp_min(0)[:, None])[:, 0] * (hard >= 0)
+                per = _nll(log_q, torch.where(is_cont, tgt, soft_ids[sel][:, 0]))  # a top-1 outside the head: < 0
             else:
                 if not bool(soft_mask[cont].all()):
                     raise ValueError("a continuation position has no soft label")

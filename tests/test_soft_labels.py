@@ -11,6 +11,7 @@ from drafter_lib import soft_labels, teacher
 from drafter_lib.train_loss import topk_divergence
 
 K = 6
+V_LM = 50  # the tiny model's vocabulary in the LossModule test
 
 
 def rows_by_id(path):
@@ -274,5 +275,3 @@ def test_loss_module_equals_the_losses_written_out(loss):
     torch.testing.assert_close(ce.double(), torch.as_tensor(want_ce).double(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(obj.detach().double(), torch.as_tensor(want_obj).double(), rtol=1e-5, atol=1e-5)
 
-
-V_LM = 50

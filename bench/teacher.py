@@ -12,8 +12,11 @@ prompts. Systems (run interleaved, batch size by batch size, so machine load hit
   native-static  the same decoder, static batches (a batch ends when its longest row does)
   native-soft    native + top-32 soft labels at every continuation position (what the study stores)
   native-soft-prompt  native-soft + top-32 at every prompt position
+  native-soft-prompt-16   top-16 at every position: what the study runs
+  native-soft-prompt-v20  the same as session 20 ran it: prompts prefilled one by one, the head in one product
   native-bf16 / native-fp16   weights in bf16 / fp16 (activations fp32); fast only where the CPU has kernels
-Prints tokens/s per system and batch, the ratio to hf at the same batch, and token agreement with hf and native:
+Prints tokens/s per system and batch, the ratio to hf at the same batch, and token agreement with hf and with
+native (or, without native, the first other system listed):
 identical rows, and the share of reference tokens before the first differing token (prefix agreement).
 """
 from __future__ import annotations
@@ -38,6 +41,10 @@ SYSTEMS = {
     "native-static": dict(backend="native", schedule="static"),
     "native-soft": dict(backend="native", soft_topk=32),
     "native-soft-prompt": dict(backend="native", soft_topk=32, soft_prompt=True),
+    # what the study runs (top-16 at every position) before session 21: prompt-by-prompt prefills, one head product
+    "native-soft-prompt-v20": dict(backend="native", soft_topk=16, soft_prompt=True,
+                                   native_options=dict(prefill_group=1, sliced_head=False)),
+    "native-soft-prompt-16": dict(backend="native", soft_topk=16, soft_prompt=True),
     "native-bf16": dict(backend="native", native_dtype="bfloat16"),
     "native-fp16": dict(backend="native", native_dtype="float16"),
 }
@@ -91,6 +98,12 @@ def main():
     print(f"torch {torch.__version__}  cpu capability {torch.backends.cpu.get_cpu_capability()}  "
           f"avx512_bf16 {torch.cpu._is_avx512_bf16_supported()}  amx {torch.cpu._is_amx_tile_supported()}  "
           f"threads {torch.get_num_threads()}")
+    if any(SYSTEMS[s].get("backend") == "native" for s in args.systems):
+        from drafter_lib.sliced_head import hold_sliced_head
+        from drafter_lib.teacher_backends import NativeBackend
+
+        choice = hold_sliced_head(NativeBackend(model, sliced_head=False).model)
+        print(f"native head on this machine: {choice['path']} (us per 128-row call: {choice.get('us_per_call')})")
     print(f"prompts: {len(recs)} from {src}; prompt tokens median {plen[len(plen) // 2]}, max {plen[-1]}; "
           f"max_new_tokens {args.max_new_tokens}")
     tps, conts = {}, {}
@@ -107,15 +120,16 @@ def main():
                 tps.setdefault((name, bs), []).append(st["new_tokens"] / wall)
                 print(f"  rep {rep} {name:18} batch {bs:3d}: {st['new_tokens']} new tokens in {wall:6.1f} s "
                       f"= {st['new_tokens'] / wall:6.1f} tok/s", flush=True)
+    base = "native" if "native" in args.systems else next(s for s in args.systems if s != "hf")
     print(f"\n{'system':18} {'batch':>5} {'tok/s':>7} {'vs hf':>6} {'same rows vs hf':>16} {'prefix agr hf':>13} "
-          f"{'same rows vs native':>20} {'prefix agr native':>17}")
+          f"{'same rows vs ' + base:>20} {'prefix agr ' + base:>17}")
     for bs in args.batch_sizes:
         for name in args.systems:
             v = sorted(tps[(name, bs)])[len(tps[(name, bs)]) // 2]  # median over repeats
             hf = tps.get(("hf", bs))
             ratio = f"{v / sorted(hf)[len(hf) // 2]:5.2f}x" if hf else "-"
             cells = []
-            for ref in ("hf", "native"):
+            for ref in ("hf", base):
                 if (ref, bs) in conts:
                     same, pre = agreement(conts[(ref, bs)], conts[(name, bs)])
                     cells += [f"{same}/{len(recs)}", f"{pre:.4f}"]

@@ -236,6 +236,7 @@ def generate_targets(
     flush_rows: int | None = None,
     native_dtype: str = "float32",
     schedule: str = "continuous",
+    native_options: dict | None = None,
 ) -> dict:
     """Write greedy teacher continuations for this shard of `records` to `out_path`, resuming if it exists.
 
@@ -244,6 +245,7 @@ def generate_targets(
     `soft_dir_for(out_path)`. flush_rows (default batch_size): finished rows per append (and soft part); a
     killed run loses at most the rows not yet flushed. native_dtype: weight precision of the native backend
     (float32 = exact default). schedule: "continuous" (refill finished slots) or "static" (native only).
+    native_options: the native backend's speed settings (`teacher_backends.NativeBackend`; benchmarks compare them).
     `on_batch(flush_index, rows)` runs after each flush (progress hooks, tests). Returns stats: rows written now,
     rows already done, new tokens, seconds, tokens/s.
     """
@@ -303,7 +305,7 @@ def generate_targets(
             todo.append((r, encode_chat(tokenizer, prompt_messages(r))))
     todo.sort(key=lambda x: (len(x[1]), record_id(x[0])))  # length-sorted batches pad little
 
-    gen = make_backend(backend, model, tokenizer, dtype=native_dtype, schedule=schedule)
+    gen = make_backend(backend, model, tokenizer, dtype=native_dtype, schedule=schedule, **(native_options or {}))
     n_tok, n_rows, t0, flushes, pending = 0, 0, time.perf_counter(), 0, []
     bar = tqdm(total=len(todo), desc=f"teacher[{gen.name}] shard {shard_index}/{num_shards}", unit="prompt",
                disable=not progress)

@@ -2,9 +2,11 @@
 cut at the first stop token, and with top_k > 0 the teacher's top-K log-probabilities at each stored position.
 
   "native": the hand-written decoder (`drafter_lib.model`) with continuous batching (`generate.stream_generate`),
-            fp32 by default - the fast path on CPU. `dtype="bfloat16"`/`"float16"` hold the weights in that
-            precision (activations stay fp32); only worth it where the CPU has fast kernels for it, and only
-            where its tokens equal the fp32 ones (bench/teacher.py measures both).
+            fp32 by default - the fast path on CPU. Waiting prompts of similar length share a prefill, and the
+            head runs in vocabulary slices where this machine gives the same bits faster (`sliced_head`).
+            `dtype="bfloat16"`/`"float16"` hold the weights in that precision (activations stay fp32); only
+            worth it where the CPU has fast kernels for it, and only where its tokens equal the fp32 ones
+            (bench/teacher.py measures both).
   "hf":     `transformers` generate with left padding, one static batch at a time - for architectures/devices
             the native path lacks (GPU).
 """
@@ -84,8 +86,13 @@ class NativeBackend:
 
     name = "native"
 
-    def __init__(self, hf_model, dtype: str = "float32", schedule: str = "continuous"):
+    def __init__(self, hf_model, dtype: str = "float32", schedule: str = "continuous", prefill_group: int = 8,
+                 sliced_head: bool = True):
+        """prefill_group: waiting prompts one prefill may take (`generate.stream_generate`; 1: one by one).
+        sliced_head: compute the head in vocabulary slices where this machine gives the same bits faster
+        (`sliced_head.hold_sliced_head`, measured once per machine)."""
         from .model import Transformer
+        from .sliced_head import hold_sliced_head
 
         if dtype not in NATIVE_DTYPES:
             raise ValueError(f"native dtype must be one of {sorted(NATIVE_DTYPES)}, got {dtype!r}")
@@ -93,7 +100,8 @@ class NativeBackend:
             raise ValueError(f"schedule must be 'continuous' or 'static', got {schedule!r}")
         sd = {k: v.detach().float().cpu() for k, v in hf_model.state_dict().items()}
         self.model = Transformer.from_hf(hf_model.config.to_dict(), sd).to(NATIVE_DTYPES[dtype]).eval()
-        self.dtype, self.schedule = dtype, schedule
+        self.dtype, self.schedule, self.prefill_group = dtype, schedule, prefill_group
+        self.head = hold_sliced_head(self.model) if sliced_head else dict(path="whole")
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
@@ -107,18 +115,21 @@ class NativeBackend:
         from .generate import stream_generate
 
         yield from stream_generate(self.model, prompts, max_new_tokens, stop_ids, batch_size, topk=top_k,
-                                   prompt_topk=prompt_top_k, refill=self.schedule == "continuous")
+                                   prompt_topk=prompt_top_k, refill=self.schedule == "continuous",
+                                   prefill_group=self.prefill_group)
 
 
-def make_backend(name: str, model, tokenizer, dtype: str = "float32", schedule: str = "continuous"):
-    """"native", "hf" or "auto" (native on CPU for Llama/Qwen3, else hf). dtype/schedule: native only."""
+def make_backend(name: str, model, tokenizer, dtype: str = "float32", schedule: str = "continuous",
+                 **native_options):
+    """"native", "hf" or "auto" (native on CPU for Llama/Qwen3, else hf). dtype/schedule and `native_options`
+    (`NativeBackend`'s prefill_group, sliced_head): native only."""
     if name == "auto":
         on_cpu = next(model.parameters()).device.type == "cpu"
         name = "native" if on_cpu and model.config.model_type in ("llama", "qwen3") else "hf"
     if name == "native":
-        return NativeBackend(model, dtype=dtype, schedule=schedule)
+        return NativeBackend(model, dtype=dtype, schedule=schedule, **native_options)
     if name == "hf":
-        if dtype != "float32" or schedule != "continuous":
+        if dtype != "float32" or schedule != "continuous" or native_options:
             raise ValueError("dtype and schedule are options of the native backend")
         from .teacher import stop_token_ids
 

@@ -113,6 +113,48 @@ def test_continuous_batching_equals_static_and_hf(lively):
     assert [f.index for f in cont] != sorted(f.index for f in cont) or len(lengths) == 1  # yielded as they finish
 
 
+def test_shared_prefills_change_no_row(lively, monkeypatch):
+    """Waiting prompts prefilled together (right-padded; refills wait for a group of free slots), one by one, or
+    alone because they are long: the same rows and soft labels, equal to HF greedy."""
+    from drafter_lib import generate
+
+    hf, ours = lively
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 61, (int(n),), generator=g).tolist() for n in torch.randint(1, 40, (44,), generator=g)]
+    free = greedy_generate(ours, prompts, 12, batch_size=44)
+    stop = [max(range(61), key=lambda t: len({f.index(t) if t in f else 12 for f in free}))]  # ends rows at many steps
+    groups = []
+
+    def spy(model, cache, rows, ps, **kw):
+        groups.append(len(ps))
+        return prefill_rows(model, cache, rows, ps, **kw)
+
+    prefill_rows = generate.prefill_rows
+    monkeypatch.setattr(generate, "prefill_rows", spy)
+    runs = {}
+    for name, kw in {"shared": {}, "one by one": dict(prefill_group=1), "long alone": dict(prefill_tokens=20)}.items():
+        groups.clear()
+        runs[name] = {f.index: f for f in generate.stream_generate(ours, prompts, 12, stop, batch_size=32, topk=4,
+                                                                   prompt_topk=True, **kw)}
+        sizes = list(groups)
+        if name == "shared":  # 32 slots: refills wait for 2 free ones and share their prefill, 8 at most
+            assert sum(sizes[:4]) == 32 and 2 in sizes[4:] and max(sizes) == 8
+        elif name == "one by one":
+            assert set(sizes) == {1}
+        else:
+            assert sum(sizes) < len(prompts)  # the prompts over 20 tokens went through prefill_row
+    lengths = set()
+    for i, p in enumerate(prompts):
+        want = teacher_cut(hf_greedy(hf, p, 12, stop=stop), stop)
+        lengths.add(len(want))
+        for name, rows in runs.items():
+            f, ref = rows[i], runs["one by one"][i]
+            assert f.tokens == want, (name, i)
+            assert torch.equal(f.soft_ids, ref.soft_ids), (name, i)
+            torch.testing.assert_close(f.soft_logprobs, ref.soft_logprobs, atol=1e-5, rtol=0)
+    assert len(lengths) >= 3  # rows finished at different steps: the refills were exercised
+
+
 def teacher_cut(tokens, stop):
     for j, t in enumerate(tokens):
         if t in stop:

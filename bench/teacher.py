@@ -99,10 +99,9 @@ def main():
           f"avx512_bf16 {torch.cpu._is_avx512_bf16_supported()}  amx {torch.cpu._is_amx_tile_supported()}  "
           f"threads {torch.get_num_threads()}")
     if any(SYSTEMS[s].get("backend") == "native" for s in args.systems):
-        from drafter_lib.sliced_head import hold_sliced_head
-        from drafter_lib.teacher_backends import NativeBackend
+        from drafter_lib.sliced_head import choose_slice
 
-        choice = hold_sliced_head(NativeBackend(model, sliced_head=False).model)
+        choice = choose_slice(model.get_output_embeddings().weight.detach().float())  # what each native run holds
         print(f"native head on this machine: {choice['path']} (us per 128-row call: {choice.get('us_per_call')})")
     print(f"prompts: {len(recs)} from {src}; prompt tokens median {plen[len(plen) // 2]}, max {plen[-1]}; "
           f"max_new_tokens {args.max_new_tokens}")

@@ -98,7 +98,8 @@ def prefill_rows(model: Transformer, cache: KVCache, rows: Sequence[int], prompt
         sids.append(a)
         slps.append(b)
         for j in ((ends > s) & (ends <= s + len(logits))).nonzero().flatten().tolist():
-            last[j] = logits[int(ends[j]) - 1 - s]  # a row's last position: its logits pick the first new token
+            last[j] = logits[int(ends[j]) - 1 - s].clone()  # a row's last position picks its first new token; the
+            # copy lets the [head_rows, V] block go
     sid, slp = torch.cat(sids), torch.cat(slps)
     return [(last[j], sid[e - L:e - 1], slp[e - L:e - 1]) for j, (L, e) in enumerate(zip(lens, ends.tolist()))]
 

@@ -101,7 +101,8 @@ class NativeBackend:
         sd = {k: v.detach().float().cpu() for k, v in hf_model.state_dict().items()}
         self.model = Transformer.from_hf(hf_model.config.to_dict(), sd).to(NATIVE_DTYPES[dtype]).eval()
         self.dtype, self.schedule, self.prefill_group = dtype, schedule, prefill_group
-        self.head = hold_sliced_head(self.model) if sliced_head else dict(path="whole")
+        if sliced_head:
+            hold_sliced_head(self.model)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
@@ -130,7 +131,7 @@ def make_backend(name: str, model, tokenizer, dtype: str = "float32", schedule: 
         return NativeBackend(model, dtype=dtype, schedule=schedule, **native_options)
     if name == "hf":
         if dtype != "float32" or schedule != "continuous" or native_options:
-            raise ValueError("dtype and schedule are options of the native backend")
+            raise ValueError("dtype, schedule and native_options are options of the native backend")
         from .teacher import stop_token_ids
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[0]

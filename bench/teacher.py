@@ -14,6 +14,7 @@ prompts. Systems (run interleaved, batch size by batch size, so machine load hit
   native-soft-prompt  native-soft + top-32 at every prompt position
   native-soft-prompt-16   top-16 at every position: what the study runs
   native-soft-prompt-v20  the same as session 20 ran it: prompts prefilled one by one, the head in one product
+  native-soft-prompt-v21  as session 21 ran it: decode attention over every row up to the longest row's position
   native-bf16 / native-fp16   weights in bf16 / fp16 (activations fp32); fast only where the CPU has kernels
 Prints tokens/s per system and batch, the ratio to hf at the same batch, and token agreement with hf and with
 native (or, without native, the first other system listed):
@@ -44,6 +45,9 @@ SYSTEMS = {
     # what the study runs (top-16 at every position) before session 21: prompt-by-prompt prefills, one head product
     "native-soft-prompt-v20": dict(backend="native", soft_topk=16, soft_prompt=True,
                                    native_options=dict(prefill_group=1, sliced_head=False)),
+    # session 21's: decode attention reads every row's keys up to the batch's longest position
+    "native-soft-prompt-v21": dict(backend="native", soft_topk=16, soft_prompt=True,
+                                   native_options=dict(row_blocks=0)),
     "native-soft-prompt-16": dict(backend="native", soft_topk=16, soft_prompt=True),
     "native-bf16": dict(backend="native", native_dtype="bfloat16"),
     "native-fp16": dict(backend="native", native_dtype="float16"),

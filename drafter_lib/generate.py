@@ -121,7 +121,7 @@ def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_ne
                     stop_ids: Iterable[int] = (), batch_size: int = 16, *, topk: int = 0,
                     prompt_topk: bool = False, refill: bool = True, compact_below: float = 0.75,
                     progress: bool = False, choose=None, prefill_group: int = 8,
-                    prefill_tokens: int = 2048) -> Iterator[Finished]:
+                    prefill_tokens: int = 2048, row_blocks: int = 16, resort_every: int = 64) -> Iterator[Finished]:
     """Greedy continuations, yielded as rows finish (order: by finishing, see `Finished.index`).
 
     choose: logits [B, V] -> B token ids, in place of greedy argmax (e.g. a seeded sampler; the rows it sees, and
@@ -131,6 +131,9 @@ def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_ne
     `compact_below` of its slots (dead slots otherwise cost a decode row each step; compaction copies the cache).
     prefill_group / prefill_tokens: how many waiting prompts, and how many padded tokens, one prefill may take
     (`prefill_rows`); 1 prefills prompt by prompt.
+    row_blocks / resort_every: decode attention runs per block of `row_blocks` rows, each reading keys up to its own
+    longest position (`Transformer.forward`), and every `resort_every` steps the slots (and the cache's rows) are
+    re-ordered by position so that a block's rows are alike; 0 turns either off.
     """
     if max_new_tokens < 0:
         raise ValueError("max_new_tokens must be >= 0")
@@ -140,6 +143,8 @@ def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_ne
         raise ValueError("prompt_topk needs topk > 0")
     if prefill_group < 1 or prefill_tokens < 1:
         raise ValueError(f"prefill_group and prefill_tokens must be >= 1, got {prefill_group}, {prefill_tokens}")
+    if row_blocks < 0 or resort_every < 0:
+        raise ValueError(f"row_blocks and resort_every must be >= 0, got {row_blocks}, {resort_every}")
     vocab = model.config.vocab_size
     prompts = [check_token_ids(p, vocab, f"prompt {i}") for i, p in enumerate(prompts)]
     stop = set(int(s) for s in stop_ids)
@@ -228,7 +233,15 @@ def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_ne
     # a decode row), bounded to 1/16 of the batch
     wait_for = max(1, min(prefill_group, nslots // 16))
     yield from fill()
+    steps = 0
     while True:
+        if row_blocks and resort_every and steps % resort_every == resort_every - 1:
+            # longest rows first, free slots last: the cache's rows move with their slots (one copy of the cache)
+            order = sorted(range(len(slots)), key=lambda s: -1 if slots[s] is None else slots[s].pos, reverse=True)
+            if order != sorted(order):
+                cache.select_rows(order)
+                slots = [slots[s] for s in order]
+        steps += 1
         live = [s for s in range(len(slots)) if slots[s] is not None]
         if not live:
             if not queue:
@@ -246,7 +259,7 @@ def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_ne
         # harmless, the row is prefilled from position 0 before it is read
         toks = torch.tensor([[sl.tokens[-1] if sl else 0] for sl in slots])
         pos = torch.tensor([[sl.pos if sl else 0] for sl in slots])
-        logits = model(toks, pos, cache)[:, -1]
+        logits = model(toks, pos, cache, row_blocks=row_blocks)[:, -1]
         nxt = pick(logits)
         if topk:
             sid, slp = topk_logprobs(logits, topk)

@@ -100,8 +100,9 @@ class KVCache:
     def select_rows(self, rows: list[int]):
         """Keep only `rows` (in that order), e.g. to drop finished sequences from a decode batch."""
         idx = torch.tensor(rows, dtype=torch.long)
-        self.k = [t.index_select(0, idx) for t in self.k]
-        self.v = [t.index_select(0, idx) for t in self.v]
+        for lst in (self.k, self.v):  # layer by layer: one layer's copy at a time on top of the cache
+            for i, t in enumerate(lst):
+                lst[i] = t.index_select(0, idx)
         self.lengths = [self.lengths[r] for r in rows]
 
     def nbytes(self) -> int:

@@ -224,13 +224,27 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
-        if cache is not None:  # length None: a static-shape step (Transformer.cached_step) over all slots
-            k, v = (cache.write(self.layer_idx, k, v, positions) if length is None
-                    else cache.update(self.layer_idx, k, v, positions, length))
-        causal = isinstance(mask, str)  # "causal": keys == queries from position 0, the kernel skips masked blocks
-        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=None if causal else mask,
-                                           is_causal=causal, enable_gqa=self.nkv != self.nh)
+        if isinstance(length, list):  # row blocks [(first, end, length)]: each reads keys up to its own length
+            k, v = cache.update(self.layer_idx, k, v, positions, max(n for _, _, n in length))
+            y = torch.cat([self._attend(q[a:b], k[a:b, :, :n], v[a:b, :, :n], m)
+                           for (a, b, n), m in zip(length, mask)])
+        else:
+            if cache is not None:  # length None: a static-shape step (Transformer.cached_step) over all slots
+                k, v = (cache.write(self.layer_idx, k, v, positions) if length is None
+                        else cache.update(self.layer_idx, k, v, positions, length))
+            y = self._attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
+
+    def _attend(self, q, k, v, mask):
+        causal = isinstance(mask, str)  # "causal": keys == queries from position 0, the kernel skips masked blocks
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=None if causal else mask,
+                                              is_causal=causal, enable_gqa=self.nkv != self.nh)
+
+
+def _key_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """[B,1,T,length]: query (row, t) sees key slot j where j <= its position."""
+    key_pos = torch.arange(length).unsqueeze(0)
+    return (key_pos.unsqueeze(1) <= positions.unsqueeze(2)).unsqueeze(1)
 
 
 class MLP(nn.Module):
@@ -313,17 +327,19 @@ class Transformer(nn.Module):
         return KVCache.for_model(self.config, batch, capacity, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, row_blocks: int = 0) -> torch.Tensor:
         """input_ids, positions: [B,T] long. Returns float32 logits [B,T,V] ([B,1,V] if last_only); V is the
         head's size, so with a draft vocabulary map argmax indices through `full_ids`.
 
         Without a cache the T tokens attend only to each other (by position). With a cache, the new k/v are
         written at `positions` and queries attend to every cached slot with key_pos <= query_pos.
+        row_blocks > 0 (cached steps): attention runs per block of that many rows, each reading keys only up to
+        its own longest position (rows sorted by position read far fewer keys than the batch's longest row).
         """
-        return self.lm_head(self.hidden(input_ids, positions, cache, last_only)).float()
+        return self.lm_head(self.hidden(input_ids, positions, cache, last_only, row_blocks)).float()
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-               last_only: bool = False) -> torch.Tensor:
+               last_only: bool = False, row_blocks: int = 0) -> torch.Tensor:
         """The final-norm hidden states [B,T,H] ([B,1,H] if last_only) that `forward` feeds to lm_head."""
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
@@ -350,9 +366,12 @@ class Transformer(nn.Module):
                 mask = None
             elif B == 1 and length == T and int(positions[0, 0]) == 0 and int(positions[0, -1]) == T - 1:
                 mask = "causal"  # prefill from position 0: plain causal (the kernel skips masked blocks)
+            elif 0 < row_blocks < B:
+                ends = positions.amax(1).tolist()
+                length = [(a, min(a + row_blocks, B), max(ends[a:a + row_blocks]) + 1) for a in range(0, B, row_blocks)]
+                mask = [_key_mask(positions[a:b], n) for a, b, n in length]
             else:
-                key_pos = torch.arange(length).unsqueeze(0)
-                mask = (key_pos.unsqueeze(1) <= positions.unsqueeze(2)).unsqueeze(1).expand(B, 1, -1, -1)
+                mask = _key_mask(positions, length)
         for layer in m.layers:
             x = layer(x, cos, sin, positions, mask, cache, length)
         if last_only:

@@ -87,10 +87,11 @@ class NativeBackend:
     name = "native"
 
     def __init__(self, hf_model, dtype: str = "float32", schedule: str = "continuous", prefill_group: int = 8,
-                 sliced_head: bool = True):
+                 sliced_head: bool = True, row_blocks: int = 16):
         """prefill_group: waiting prompts one prefill may take (`generate.stream_generate`; 1: one by one).
         sliced_head: compute the head in vocabulary slices where this machine gives the same bits faster
-        (`sliced_head.hold_sliced_head`, measured once per machine)."""
+        (`sliced_head.hold_sliced_head`, measured once per machine).
+        row_blocks: decode attention per block of this many rows kept sorted by position (0: one block)."""
         from .model import Transformer
         from .sliced_head import hold_sliced_head
 
@@ -100,7 +101,7 @@ class NativeBackend:
             raise ValueError(f"schedule must be 'continuous' or 'static', got {schedule!r}")
         sd = {k: v.detach().float().cpu() for k, v in hf_model.state_dict().items()}
         self.model = Transformer.from_hf(hf_model.config.to_dict(), sd).to(NATIVE_DTYPES[dtype]).eval()
-        self.dtype, self.schedule, self.prefill_group = dtype, schedule, prefill_group
+        self.dtype, self.schedule, self.prefill_group, self.row_blocks = dtype, schedule, prefill_group, row_blocks
         if sliced_head:
             hold_sliced_head(self.model)
 
@@ -117,13 +118,13 @@ class NativeBackend:
 
         yield from stream_generate(self.model, prompts, max_new_tokens, stop_ids, batch_size, topk=top_k,
                                    prompt_topk=prompt_top_k, refill=self.schedule == "continuous",
-                                   prefill_group=self.prefill_group)
+                                   prefill_group=self.prefill_group, row_blocks=self.row_blocks)
 
 
 def make_backend(name: str, model, tokenizer, dtype: str = "float32", schedule: str = "continuous",
                  **native_options):
     """"native", "hf" or "auto" (native on CPU for Llama/Qwen3, else hf). dtype/schedule and `native_options`
-    (`NativeBackend`'s prefill_group, sliced_head): native only."""
+    (`NativeBackend`'s prefill_group, sliced_head, row_blocks): native only."""
     if name == "auto":
         on_cpu = next(model.parameters()).device.type == "cpu"
         name = "native" if on_cpu and model.config.model_type in ("llama", "qwen3") else "hf"

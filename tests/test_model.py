@@ -103,6 +103,26 @@ def test_ragged_batch_equals_rows_alone(pair):
 
 
 @torch.no_grad()
+def test_row_blocks_equal_rows_alone(pair):
+    """Attention per block of rows (blocks of 2, 2 and 1), each reading keys only up to its own longest position:
+    every row's logits equal the row run alone, for one-token steps and steps of two tokens a row."""
+    _, ours = pair
+    lens = [23, 4, 15, 15, 1]
+    seqs = [torch.randint(0, 97, (1, n)) for n in lens]
+    nxt = torch.randint(0, 97, (5, 3))
+    cache = ours.new_cache(5, 40)
+    for row, seq in enumerate(seqs):
+        ours(seq, torch.arange(seq.shape[1])[None], cache.row_view(row))
+    pos = torch.tensor(lens)[:, None]
+    got = torch.cat([ours(nxt[:, :1], pos, cache, row_blocks=2),
+                     ours(nxt[:, 1:], pos + 1 + torch.arange(2), cache, row_blocks=2)], 1)
+    for row, seq in enumerate(seqs):
+        full = torch.cat([seq, nxt[row:row + 1]], 1)
+        alone = ours(full, torch.arange(full.shape[1])[None])[:, -3:]
+        assert (alone - got[row:row + 1]).abs().max() <= TOL
+
+
+@torch.no_grad()
 def test_fp16_weights_close():
     hf = tiny_hf("llama")
     ours = ours_from(hf).half()

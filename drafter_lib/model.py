@@ -243,8 +243,8 @@ class Attention(nn.Module):
 
 def _key_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
     """[B,1,T,length]: query (row, t) sees key slot j where j <= its position."""
-    key_pos = torch.arange(length).unsqueeze(0)
-    return (key_pos.unsqueeze(1) <= positions.unsqueeze(2)).unsqueeze(1)
+    key_pos = torch.arange(length, device=positions.device)
+    return (key_pos <= positions.unsqueeze(-1)).unsqueeze(1)
 
 
 class MLP(nn.Module):
@@ -387,8 +387,7 @@ class Transformer(nn.Module):
         so that no shape depends on the positions' values, for torch.compile (one graph serves every context
         length and cache capacity): the new K/V are written at `positions` by an index_put, and each query attends
         over the cache's whole capacity under the key_pos <= query_pos mask."""
-        key_pos = torch.arange(cache.capacity, device=x.device)
-        mask = (key_pos <= positions.unsqueeze(-1)).unsqueeze(1)  # [B,1,T,capacity]
+        mask = _key_mask(positions, cache.capacity)  # [B,1,T,capacity]
         for layer in self.model.layers:
             x = layer(x, cos, sin, positions, mask, cache, None)
         return self.model.norm(x)

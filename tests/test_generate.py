@@ -143,15 +143,7 @@ def test_shared_prefills_change_no_row(lively, monkeypatch):
             assert set(sizes) == {1}
         else:
             assert sum(sizes) < len(prompts)  # the prompts over 20 tokens went through prefill_row
-    lengths = set()
-    for i, p in enumerate(prompts):
-        want = teacher_cut(hf_greedy(hf, p, 12, stop=stop), stop)
-        lengths.add(len(want))
-        for name, rows in runs.items():
-            f, ref = rows[i], runs["one by one"][i]
-            assert f.tokens == want, (name, i)
-            assert torch.equal(f.soft_ids, ref.soft_ids), (name, i)
-            torch.testing.assert_close(f.soft_logprobs, ref.soft_logprobs, atol=1e-5, rtol=0)
+    lengths = assert_runs_equal_hf(hf, prompts, 12, stop, runs, "one by one")
     assert len(lengths) >= 3  # rows finished at different steps: the refills were exercised
 
 
@@ -191,16 +183,23 @@ def test_row_blocks_sorted_by_position_change_no_row(lively, monkeypatch):
         reorders[name] = sum(o != sorted(o) for o in orders)
     assert reorders == {"blocks": reorders["blocks"], "one block": 0} and reorders["blocks"] >= 3
     assert keys_read[0] < 0.9 * keys_read[1]  # here 0.88; blocks without the re-sorts: 0.92
+    lengths = assert_runs_equal_hf(hf, prompts, 16, stop, runs, "one block")
+    assert len(lengths) >= 3  # rows finished at different steps: slots were refilled between re-sorts
+
+
+def assert_runs_equal_hf(hf, prompts, n, stop, runs, ref_name):
+    """Every run's rows {index: Finished} equal HF greedy (cut at the stop token), with the soft labels of
+    `runs[ref_name]`; returns the set of row lengths (how varied the finishing steps were)."""
     lengths = set()
     for i, p in enumerate(prompts):
-        want = teacher_cut(hf_greedy(hf, p, 16, stop=stop), stop)
+        want = teacher_cut(hf_greedy(hf, p, n, stop=stop), stop)
         lengths.add(len(want))
         for name, rows in runs.items():
-            f, ref = rows[i], runs["one block"][i]
+            f, ref = rows[i], runs[ref_name][i]
             assert f.tokens == want, (name, i)
             assert torch.equal(f.soft_ids, ref.soft_ids), (name, i)
             torch.testing.assert_close(f.soft_logprobs, ref.soft_logprobs, atol=1e-5, rtol=0)
-    assert len(lengths) >= 3  # rows finished at different steps: slots were refilled between re-sorts
+    return lengths
 
 
 def teacher_cut(tokens, stop):

@@ -9,7 +9,9 @@ pattern: the engine computes the new tail and k one-token steps); the one-by-one
 prompts, so neither finds the other's drafts cached. Drafts are full length (`min_confidence` 0). Rules and modes
 run interleaved round by round and the median round counts. The throughput ratio is what N concurrent clients could
 gain over one at most: the server adds HTTP and queueing on top (`bench/server.py`). Every rule's batched drafts are
-checked against the same requests drafted alone.
+checked against the same requests drafted alone. Last, the CPU's own fp32 matmul over the layers' weight shapes,
+one row against --batch rows with each weight hot in cache (`blas_ceiling`): how much batching could gain from
+the layers' arithmetic if the engine's steps ran like it.
 """
 from __future__ import annotations
 
@@ -87,7 +89,44 @@ def main(argv=None) -> dict:
         same = sum(list(d) == list(eng.draft(t, args.k, min_confidence=0.0)) for d, t in zip(together, reqs))
         out[rule] = dict(alone_ms=alone, batched_ms=batched, gain=alone / batched, identical=same)
         print(f"{rule:>8} | {alone:10.2f} | {batched:8.2f} | {alone / batched:9.2f}x | {same} of {len(reqs)}")
+    out["blas"] = blas_ceiling(next(iter(engines.values())).config, args.batch, args.rounds)
     return out
+
+
+def layer_shapes(c) -> list[tuple[int, int]]:
+    """(out, in) of every linear a decode step runs through the layers (the head aside)."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_layer = [(q, c.hidden_size), (kv, c.hidden_size), (kv, c.hidden_size), (c.hidden_size, q),
+                 (c.intermediate_size, c.hidden_size), (c.intermediate_size, c.hidden_size),
+                 (c.hidden_size, c.intermediate_size)]
+    return per_layer * c.num_hidden_layers
+
+
+@torch.inference_mode()
+def blas_ceiling(config, rows: int, rounds: int, calls: int = 20) -> dict:
+    """What batching can gain from the layers' arithmetic alone: torch's fp32 matmul (the CPU's BLAS) per weight
+    shape of the layers, each weight hot in cache (`calls` products in a row, so memory bandwidth does not count),
+    summed over the step's weights, one row against `rows` rows, interleaved; the median round counts. A batch of
+    `rows` requests gains at most rows * t(1) / t(rows) in throughput over one from matmuls that run like these."""
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(o, i, generator=g) for o, i in layer_shapes(config)]
+    xs = {m: [torch.randn(m, w.shape[1], generator=g) for w in ws] for m in (1, rows)}
+    ms = {m: [] for m in xs}
+    for r in range(rounds + 1):  # round 0 warms up
+        for m in (xs if r % 2 else reversed(list(xs))):
+            total = 0.0
+            for x, w in zip(xs[m], ws):
+                torch.mm(x, w.t())  # into cache
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    torch.mm(x, w.t())
+                total += time.perf_counter() - t0
+            if r:
+                ms[m].append(total * 1e3 / calls)
+    one, many = statistics.median(ms[1]), statistics.median(ms[rows])
+    print(f"\nfp32 BLAS, the layers' {len(ws)} weights each hot in cache: {one:.3f} ms one row, {many:.3f} ms "
+          f"{rows} rows -> batching gains at most {rows * one / many:.2f}x one request's throughput with them")
+    return dict(one_row_ms=one, batch_ms=many, ceiling=rows * one / many)
 
 
 if __name__ == "__main__":

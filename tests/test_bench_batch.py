@@ -1,0 +1,16 @@
+"""bench/batch.py's BLAS reference: it times exactly the weight shapes a decode step runs through the layers."""
+from collections import Counter
+
+from bench.batch import blas_ceiling, layer_shapes
+from drafter_lib.model import ModelConfig, Transformer
+from drafter_lib.weight_formats import linears
+
+
+def test_the_blas_reference_times_the_layers_own_weight_shapes():
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = Transformer(cfg)
+    own = Counter(tuple(mod.weight.shape) for _, _, mod in linears(model.model.layers))
+    assert Counter(layer_shapes(cfg)) == own and sum(own.values()) == 7 * 3
+    out = blas_ceiling(cfg, rows=4, rounds=1, calls=2)
+    assert out["one_row_ms"] > 0 and out["batch_ms"] > 0 and out["ceiling"] == 4 * out["one_row_ms"] / out["batch_ms"]

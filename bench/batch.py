@@ -11,7 +11,9 @@ run interleaved round by round and the median round counts. The throughput ratio
 gain over one at most: the server adds HTTP and queueing on top (`bench/server.py`). Every rule's batched drafts are
 checked against the same requests drafted alone. Last, the CPU's own fp32 matmul over the layers' weight shapes,
 one row against --batch rows with each weight hot in cache (`blas_ceiling`): how much batching could gain from
-the layers' arithmetic if the engine's steps ran like it.
+the layers' arithmetic if the engine's steps ran like it; then the same --batch rows in bf16 against fp32's one
+row: what activations rounded to bf16 would allow (they are not a same-draft path: a last-bit difference between
+a cached and a cold computation can flip a bf16 rounding, and the draft with it).
 """
 from __future__ import annotations
 
@@ -89,7 +91,12 @@ def main(argv=None) -> dict:
         same = sum(list(d) == list(eng.draft(t, args.k, min_confidence=0.0)) for d, t in zip(together, reqs))
         out[rule] = dict(alone_ms=alone, batched_ms=batched, gain=alone / batched, identical=same)
         print(f"{rule:>8} | {alone:10.2f} | {batched:8.2f} | {alone / batched:9.2f}x | {same} of {len(reqs)}")
-    out["blas"] = blas_ceiling(next(iter(engines.values())).config, args.batch, args.rounds)
+    config = next(iter(engines.values())).config
+    out["blas"] = blas_ceiling(config, args.batch, args.rounds)
+    # what activations rounded to bf16 would allow (a batch of dot products twice as wide on AVX-512 BF16),
+    # printed beside it: a rounding that a last-bit difference can flip, so not a same-draft path
+    out["blas_bf16"] = blas_ceiling(config, args.batch, args.rounds, dtype=torch.bfloat16,
+                                    base_ms=out["blas"]["one_row_ms"])
     return out
 
 
@@ -103,14 +110,17 @@ def layer_shapes(c) -> list[tuple[int, int]]:
 
 
 @torch.inference_mode()
-def blas_ceiling(config, rows: int, rounds: int, calls: int = 20) -> dict:
-    """What batching can gain from the layers' arithmetic alone: torch's fp32 matmul (the CPU's BLAS) per weight
-    shape of the layers, each weight hot in cache (`calls` products in a row, so memory bandwidth does not count),
-    summed over the step's weights, one row against `rows` rows, interleaved; the median round counts. A batch of
-    `rows` requests gains at most rows * t(1) / t(rows) in throughput over one from matmuls that run like these."""
+def blas_ceiling(config, rows: int, rounds: int, calls: int = 20, dtype: torch.dtype = torch.float32,
+                 base_ms: float | None = None) -> dict:
+    """What batching can gain from the layers' arithmetic alone: torch's matmul (the CPU's BLAS) in `dtype` per
+    weight shape of the layers, each weight hot in cache (`calls` products in a row, so memory bandwidth does not
+    count), summed over the step's weights, one row against `rows` rows, interleaved; the median round counts. A
+    batch of `rows` requests gains at most rows * t(1) / t(rows) in throughput over one from matmuls that run like
+    these. `base_ms` (fp32's one-row time) measures the batch against that instead of against one row in `dtype`:
+    what a batched step of lower-precision activations would gain over the fp32 one-row step."""
     g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(o, i, generator=g) for o, i in layer_shapes(config)]
-    xs = {m: [torch.randn(m, w.shape[1], generator=g) for w in ws] for m in (1, rows)}
+    ws = [torch.randn(o, i, generator=g).to(dtype) for o, i in layer_shapes(config)]
+    xs = {m: [torch.randn(m, w.shape[1], generator=g).to(dtype) for w in ws] for m in (1, rows)}
     ms = {m: [] for m in xs}
     for r in range(rounds + 1):  # round 0 warms up
         for m in (xs if r % 2 else reversed(list(xs))):
@@ -124,10 +134,13 @@ def blas_ceiling(config, rows: int, rounds: int, calls: int = 20) -> dict:
             if r:
                 ms[m].append(total * 1e3 / calls)
     one, many = statistics.median(ms[1]), statistics.median(ms[rows])
-    print(f"\nfp32 BLAS, the layers' {len(ws)} weights each hot in cache: {one:.3f} ms one row, {many:.3f} ms "
-          f"{rows} rows -> batching gains at most {rows * one / many:.2f}x one request's throughput with them")
-    return dict(one_row_ms=one, batch_ms=many, ceiling=rows * one / many)
-
+    base = one if base_ms is None else base_ms
+    name = str(dtype).removeprefix("torch.")
+    against = "" if base_ms is None else f" against fp32's {base:.3f} ms one row"
+    print(f"\n{name} BLAS, the layers' {len(ws)} weights each hot in cache: {one:.3f} ms one row, {many:.3f} ms "
+          f"{rows} rows -> batching gains at most {rows * base / many:.2f}x one request's throughput with them"
+          f"{against}")
+    return dict(dtype=name, one_row_ms=one, batch_ms=many, ceiling=rows * base / many)
 
 if __name__ == "__main__":
     main()

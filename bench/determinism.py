@@ -2,7 +2,7 @@
 and batched, per engine weight mode, side by side.
 
     python bench/determinism.py [--model-dir model] [--modes int8w auto auto-approx int8 float32]
-        [--prompts data/heldout/mt_bench.jsonl] [--n 8] [--tokens 64] [--step 2] [--eager]
+        [--prompts data/heldout/mt_bench.jsonl] [--n 8] [--tokens 64] [--step 2] [--eager] [--bf16-inputs]
 
 The requests: each held-out prompt followed by the target's (the default teacher's) greedy reference, growing by
 --step tokens per request, as a speculative loop sends them. Each request is drafted (16 tokens, copy prior as the
@@ -11,7 +11,9 @@ model dir sets it) three ways:
   warm   right after the previous request, so the engine extends that request's cached K/V,
   batch  from an empty cache in one draft_batch beside another prompt's request (a second row in every step).
 Prints per mode how many warm and batched drafts differ from cold. The engine's compiled steps run where the
-machine's kernel plan chose them, as in serving; --eager turns them off.
+machine's kernel plan chose them, as in serving; --eager turns them off. --bf16-inputs rounds the input of every
+`model.Linear` (the decoder linears and head of the fp32-held modes) to bf16 first: what a path with bf16
+activations would compute, to see whether such a path could keep the same drafts (run it with --modes float32).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter_lib import hf_models  # noqa: E402
+from drafter_lib import hf_models, model  # noqa: E402
 from drafter_lib.engine import DraftEngine  # noqa: E402
 from drafter_lib.evaluate import encode_records, greedy_references, load_eval_prompts  # noqa: E402
 from drafter_lib.kernels import cpu_model  # noqa: E402
@@ -60,6 +62,12 @@ def compare(engine: DraftEngine, loops: list[list[list[int]]], k: int = 16) -> d
                 first_diff_index=min(first_diff) if first_diff else None)
 
 
+def round_linear_inputs(dtype: torch.dtype) -> None:
+    """From now on every `model.Linear` rounds its input to `dtype` (and back) before its product."""
+    forward = model.Linear.forward
+    model.Linear.forward = lambda self, x: forward(self, x.to(dtype).to(x.dtype))
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default=str(ROOT / "model"))
@@ -69,10 +77,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tokens", type=int, default=64, help="reference tokens each loop walks through")
     ap.add_argument("--step", type=int, default=2, help="tokens added per request (accepted + bonus)")
     ap.add_argument("--eager", action="store_true", help="no compiled steps")
+    ap.add_argument("--bf16-inputs", action="store_true", help="round every model.Linear's input to bf16")
     args = ap.parse_args(argv)
     if min(args.n, args.tokens, args.step) < 1:
         ap.error("--n, --tokens and --step must be >= 1")
 
+    if args.bf16_inputs:
+        round_linear_inputs(torch.bfloat16)
     print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  torch {torch.__version__}  "
           f"threads {torch.get_num_threads()}")
     records = load_eval_prompts(args.prompts, args.n)
@@ -83,6 +94,8 @@ def main(argv=None) -> list[dict]:
     loops = [loop_requests(p, r, args.tokens, args.step) for p, r in zip(prompts, refs)]
     print(f"{len(loops)} prompts of {args.prompts}, {sum(map(len, loops))} requests (+{args.step} tokens each, "
           f"{args.tokens} reference tokens), k=16, drafter {args.model_dir}")
+    if args.bf16_inputs:
+        print("every model.Linear's input rounded to bf16")
     print(f"{'mode':12} {'steps':9} {'requests':>8} {'warm != cold':>12} {'batch != cold':>13} {'first index':>11} "
           f"{'s':>6}")
     rows = []

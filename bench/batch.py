@@ -142,5 +142,6 @@ def blas_ceiling(config, rows: int, rounds: int, calls: int = 20, dtype: torch.d
           f"{against}")
     return dict(dtype=name, one_row_ms=one, batch_ms=many, ceiling=rows * base / many)
 
+
 if __name__ == "__main__":
     main()

@@ -3,7 +3,9 @@
 Run `./serve.sh` (offline env) or `python server.py`; `uvicorn server:app` works too. Settings come from the
 environment: HOST (127.0.0.1), PORT (8000), MODEL_DIR (model/), MAX_BODY_BYTES (2 MiB), BATCH_WINDOW_MS (20),
 MAX_BATCH (32), ENGINE_DTYPE (the model dir's draft_engine_dtype, else "auto"), MAX_QUEUE (128), REQUEST_TIMEOUT_S (30),
-MAX_CACHE_MB (256), MAX_BATCH_TOKENS (4096), SHUTDOWN_TIMEOUT_S (REQUEST_TIMEOUT_S + 5), LOG_LEVEL (info).
+MAX_CACHE_MB (256), MAX_BATCH_TOKENS (4096), SHUTDOWN_TIMEOUT_S (REQUEST_TIMEOUT_S + 5), LOG_LEVEL (info),
+DEFAULT_MIN_CONFIDENCE (off: a request without min_confidence gets exactly num_draft_tokens tokens; a number in
+[0, 1], or "recommended" for the model dir's draft_min_confidence).
 
 The app, its schema, metrics and the draining server live in drafter_lib/server_app.py.
 """

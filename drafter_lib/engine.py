@@ -15,12 +15,12 @@
   runs the same math whether it is part of a long prefill, a tail after a cached prefix, a row of a batched prefill
   or decode step (no weight format is chosen by the number of rows; compiled vs eager steps, by a feed's length,
   differ in fp32 summation order only), up to fp32 summation order, which int8 activations can amplify (README).
-- Dynamic draft length: with a threshold c > 0 (`min_confidence` per request, else the model dir's
-  `draft_min_confidence`; 0 = off) the draft stops before the first model-drafted token whose probability under
-  the drafter (fp32 softmax over the head's logits; an Int8Head's from `approx_logits`) is below c. Tokens the copy
-  prior proposes in "prefix" mode are not subject to it (their `probs` entry is None). The token is always the same
-  argmax routine's, the probability is only added, so a stopped draft is a prefix of the unstopped one; without a
-  threshold and without return_probs no softmax is computed.
+- Dynamic draft length: with a threshold c > 0 (`min_confidence` per request, else the engine's default, which is off
+  unless asked for: a request without one gets exactly k tokens; 0 = off) the draft stops before the first model-drafted
+  token whose probability under the drafter (fp32 softmax over the head's logits; an Int8Head's from `approx_logits`) is
+  below c. Tokens the copy prior proposes in "prefix" mode are not subject to it (their `probs` entry is None). The
+  token is always the same argmax routine's, the probability is only added, so a stopped draft is a prefix of the
+  unstopped one; without a threshold and without return_probs no softmax is computed.
 - Prefix KV cache (prefix_cache.py): a row is stored under request + the draft tokens whose K/V were computed.
 - Batching: the uncached tails of a batch's requests (up to _BATCH_FEED tokens: a speculative loop's next step) run
   as one right-padded pass (a pad sits after its row's real tokens, so nothing real attends to it); a longer tail (a
@@ -59,7 +59,8 @@ DTYPES = {"auto": "auto", "auto-approx": "auto-approx", "float32": torch.float32
 DEFAULT_DTYPE = "auto"  # how weights are held unless told otherwise (the server's ENGINE_DTYPE default)
 DEFAULT_MAX_CACHE_BYTES = 256 << 20  # a small machine: ~43k cached tokens of the shipped 4-layer drafter
 DEFAULT_MAX_BATCH_TOKENS = 4096  # in-flight KV slots per decode group (24 MiB for the shipped drafter)
-MIN_CONFIDENCE_KEY = "draft_min_confidence"  # the model dir's default threshold, in its config.json
+MIN_CONFIDENCE_KEY = "draft_min_confidence"  # the threshold the pack recommends, in its config.json
+RECOMMENDED = "recommended"  # from_dir(min_confidence=RECOMMENDED): make the pack's recommended threshold the default
 ENGINE_DTYPE_KEY = "draft_engine_dtype"  # the model dir's default weight mode, in its config.json
 _CHUNK = 2048  # prefill chunk: a cold prompt up to this length runs as one causal pass (no mask, half the work)
 _BATCH_FEED = 32  # feeds up to this long share a batched prefill pass (a speculative loop's next step)
@@ -162,10 +163,11 @@ class DraftEngine:
     def from_dir(cls, path, dtype: str | None = None, copy_policy: dict | CopyPolicy | None = None,
                  verify: bool = True, min_confidence: float | None = None, **kw) -> DraftEngine:
         """Load a packed model dir (sha256-checked when verify); copy_policy None = the dir's copy_policy.json,
-        min_confidence None = the dir's config.json `draft_min_confidence` (absent/null: off), dtype None = the
-        dir's config.json `draft_engine_dtype` (absent/null: DEFAULT_DTYPE)."""
+        min_confidence: the default threshold of requests that set none (None: off, so every draft is k tokens;
+        RECOMMENDED: the dir's config.json `draft_min_confidence`), dtype None = the dir's config.json
+        `draft_engine_dtype` (absent/null: DEFAULT_DTYPE)."""
         model, meta, dir_policy, rows, dtype = _load_dir(path, dtype, verify)
-        if min_confidence is None:
+        if min_confidence == RECOMMENDED:
             min_confidence = meta["hf_config"].get(MIN_CONFIDENCE_KEY)
         return cls(model, meta, dtype=dtype, copy_policy=dir_policy if copy_policy is None else copy_policy,
                    stored_rows=rows, min_confidence=min_confidence, **kw)
@@ -175,7 +177,6 @@ class DraftEngine:
                         **kw) -> DraftEngine:
         model = Transformer.from_hf(hf_config, {k: v.float() for k, v in state_dict.items()})
         meta = dict(hf_config=hf_config, quantization=None, manifest_sha256=None, path=None)
-        kw.setdefault("min_confidence", hf_config.get(MIN_CONFIDENCE_KEY))
         return cls(model, meta, dtype=dtype, copy_policy=copy_policy, **kw)
 
     # ------------------------------------------------------------------------------------------ public
@@ -220,7 +221,9 @@ class DraftEngine:
                     manifest_sha256=m.get("manifest_sha256"), path=m.get("path"), dtype=self.dtype,
                     copy_policy=self.copy_policy.to_dict(), kernels=self.kernels, cached_step=self.step_plan,
                     head=self.head_plan, vocab_size=self.vocab_size, max_context=self.max_context,
-                    min_confidence=self.min_confidence, weight_bytes=weight_bytes(self.model),
+                    min_confidence=self.min_confidence,
+                    recommended_min_confidence=(m.get("hf_config") or {}).get(MIN_CONFIDENCE_KEY),
+                    weight_bytes=weight_bytes(self.model),
                     kv_bytes_per_token=self.kv_bytes_per_token, max_batch_tokens=self.max_batch_tokens,
                     max_cache_tokens=self.max_cache_tokens, max_cache_bytes=self.max_cache_bytes,
                     cache=self.cache_info())

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from .acceptance import pool_by_origin, simulate
 from .baselines import engine_from_dir, load_hf_checkpoint, standard_baselines
+from .engine import RECOMMENDED
 from .heldout import conversation_items, load_heldout_sets, round_robin, with_answers
 from .io_utils import read_jsonl, write_json, write_jsonl
 from .speculative import as_target, mean_acceptance_length, speculative_generate
@@ -397,7 +398,7 @@ def main(argv=None) -> dict:
     metrics = run_evaluation(target, tok, records, drafters, k=args.k, max_new_tokens=args.max_new_tokens,
                              group_by=args.group_by, e2e_prompts=args.e2e_prompts, e2e_k=args.e2e_k,
                              batch_size=args.batch_size, limit=args.limit, references_path=args.references,
-                             e2e_drafter=engine_from_dir(args.model))
+                             e2e_drafter=engine_from_dir(args.model, min_confidence=RECOMMENDED))
     metrics.update({"target": args.target, "model": str(args.model), "prompts": list(args.prompts)})
     print()
     print(baselines_table(metrics["baselines"], args.k, metrics["prompts_per_category"]))

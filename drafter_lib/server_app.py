@@ -2,9 +2,11 @@
 
 One DraftEngine is loaded before the app is built (the published schema carries its vocabulary and context) and
 is owned by one worker thread; concurrent requests are micro-batched (batching.py). The engine keeps nothing
-between requests except its prefix KV cache, whose bytes are bounded (MAX_CACHE_MB). A request's optional
-`min_confidence` (else the model dir's `draft_min_confidence`) stops its draft early; `return_probs` adds `probs`
-to its answer. Requests with different thresholds share a batch.
+between requests except its prefix KV cache, whose bytes are bounded (MAX_CACHE_MB). A request without
+`min_confidence` gets exactly `num_draft_tokens` tokens, unless the operator set a server-wide default
+(DEFAULT_MIN_CONFIDENCE: a number, or "recommended" for the model dir's `draft_min_confidence`); a request's own
+`min_confidence` stops its draft early; `return_probs` adds `probs` to its answer. Requests with different
+thresholds share a batch.
 
 Overload: at most MAX_QUEUE requests wait for a batch; the next ones get 503 with Retry-After at once, and a
 request not answered within REQUEST_TIMEOUT_S gets 503 too. Shutdown: SIGTERM (or SIGINT) starts a drain:
@@ -59,6 +61,9 @@ class Settings:
     max_cache_mb: float = 256.0  # prefix KV cache bound
     max_batch_tokens: int = 4096  # in-flight KV slots per decode group (engine.DraftEngine)
     shutdown_timeout_s: float | None = None  # drain bound on SIGTERM; None = request_timeout_s + 5
+    # threshold of requests that set no min_confidence: None = off (exactly num_draft_tokens tokens), a number in
+    # [0, 1], or "recommended" (the model dir's draft_min_confidence)
+    default_min_confidence: float | str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -75,11 +80,27 @@ class Settings:
                    request_timeout_s=get("REQUEST_TIMEOUT_S", float, d.request_timeout_s),
                    max_cache_mb=get("MAX_CACHE_MB", float, d.max_cache_mb),
                    max_batch_tokens=get("MAX_BATCH_TOKENS", int, d.max_batch_tokens),
-                   shutdown_timeout_s=get("SHUTDOWN_TIMEOUT_S", float, None))
+                   shutdown_timeout_s=get("SHUTDOWN_TIMEOUT_S", float, None),
+                   default_min_confidence=get("DEFAULT_MIN_CONFIDENCE", _threshold, None))
 
     @property
     def drain_s(self) -> float:
         return self.request_timeout_s + 5 if self.shutdown_timeout_s is None else self.shutdown_timeout_s
+
+
+def _threshold(text: str) -> float | str:
+    """DEFAULT_MIN_CONFIDENCE: "recommended", or a number in [0, 1]."""
+    from .engine import RECOMMENDED
+
+    if text.strip().lower() == RECOMMENDED:
+        return RECOMMENDED
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 1:
+        raise ValueError(f"DEFAULT_MIN_CONFIDENCE must be a number in [0, 1] or {RECOMMENDED!r}, got {text!r}")
+    return value
 
 
 @dataclass
@@ -158,7 +179,8 @@ def _error(status: int, message: str, detail: list | None = None, headers: dict 
 def load_engine(settings: Settings):
     from .engine import DraftEngine  # imported here so importing the app module stays cheap
 
-    kw = dict(max_cache_bytes=int(settings.max_cache_mb * 2 ** 20), max_batch_tokens=settings.max_batch_tokens)
+    kw = dict(max_cache_bytes=int(settings.max_cache_mb * 2 ** 20), max_batch_tokens=settings.max_batch_tokens,
+              min_confidence=settings.default_min_confidence)
     if settings.engine_dtype:
         kw["dtype"] = settings.engine_dtype
     engine = DraftEngine.from_dir(settings.model_dir, **kw)

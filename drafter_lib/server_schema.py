@@ -1,10 +1,10 @@
 """What POST /draft accepts and returns, and the OpenAPI document that says so exactly.
 
-The request model is built when the app is created (the model is loaded first), so the published schema carries
-the real bounds: ids are integers in [0, vocab_size), `tokens` has 1..max_tokens items, `num_draft_tokens` is in
-1..max_draft; optional `min_confidence` (a number in [0, 1], or null = the model dir's default) and
-`return_probs` (a boolean, default false). max_tokens = max_context - max_draft, so every request the schema
-admits fits the model's context (JSON Schema cannot bound the sum of two fields).
+The request model is built when the app is created (the model is loaded first), so the published schema carries the real
+bounds: ids are integers in [0, vocab_size), `tokens` has 1..max_tokens items, `num_draft_tokens` is in 1..max_draft;
+optional `min_confidence` (a number in [0, 1], or null = the server's default: off unless the operator set one) and
+`return_probs` (a boolean, default false). max_tokens = max_context - max_draft, so every request the schema admits fits
+the model's context (JSON Schema cannot bound the sum of two fields).
 
 The document is OpenAPI 3.0.3, whose schemas follow JSON Schema draft 4 (Wright-00): an integer there is a
 number without a fraction part, so `13.0` is not an integer id and the server's 422 for it is what the schema
@@ -57,8 +57,9 @@ def request_model(limits: Limits) -> type[BaseModel]:
         min_confidence=(StrictFloat | None, Field(
             None, ge=0, le=1, allow_inf_nan=False,
             description="Stop the draft before the first model-drafted token whose probability under the drafter "
-                        "is below this (tokens copied from the context are not subject to it); null: the model "
-                        "dir's default (draft_min_confidence); 0: off.")),
+                        "is below this (tokens copied from the context are not subject to it); absent or null: the "
+                        "server's default (off unless the operator set DEFAULT_MIN_CONFIDENCE, so exactly "
+                        "num_draft_tokens tokens); 0: off.")),
         return_probs=(StrictBool, Field(False, description="Also return each draft token's probability under the "
                                                            "drafter (null for a token copied from the context).")),
     )

@@ -304,6 +304,7 @@ def evaluate_run(cfg: C.StudyConfig, run: RunLayout) -> dict:
     from . import baselines as B
     from . import evaluate as ev
     from . import heldout, hf_models
+    from .engine import RECOMMENDED
 
     e, t_spec = cfg.eval, teacher_spec(cfg, run)
     records, decls, overlap = eval_records(cfg, run)
@@ -314,7 +315,7 @@ def evaluate_run(cfg: C.StudyConfig, run: RunLayout) -> dict:
     metrics = ev.run_evaluation(target, tok, records, drafters, k=e.k, max_new_tokens=e.max_new_tokens,
                                 group_by=e.group_by, e2e_prompts=e.e2e_prompts, e2e_k=e.e2e_k,
                                 references_path=run.references, limit=e.limit,
-                                e2e_drafter=B.engine_from_dir(run.model_dir))  # the pack as shipped
+                                e2e_drafter=B.engine_from_dir(run.model_dir, min_confidence=RECOMMENDED))  # as shipped
     metrics["target"] = model_label(cfg.study.teacher)
     metrics["heldout_sets"] = decls
     metrics["left_out_overlapping_training"] = overlap

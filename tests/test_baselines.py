@@ -48,12 +48,14 @@ def test_standard_baselines_draft_fixed_length_whatever_the_packs_threshold(tmp_
     """Acceptance at k is the baselines table's statistic: a pack's dynamic threshold must not cut its drafts short,
     while the pack as shipped (`engine_from_dir`) keeps it."""
     from drafter_lib.baselines import engine_from_dir
+    from drafter_lib.engine import RECOMMENDED
 
     d = write_tiny_model_dir(tmp_path / "model", tiny_hf_model(seed=0))
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "draft_min_confidence": 0.99}))  # a random model: stops early
     ctx = [5, 9, 3, 7, 11, 2]
-    shipped = engine_from_dir(d, verify=False)  # config.json changed after the manifest was written
+    # verify=False: config.json changed after the manifest was written
+    shipped = engine_from_dir(d, verify=False, min_confidence=RECOMMENDED)
     assert shipped.min_confidence == 0.99 and len(shipped.draft(ctx, 8)) < 8
     for name, drafter in standard_baselines(d, ngram=False, verify=False).items():
         assert len(drafter.draft(ctx, 8)) == 8, name

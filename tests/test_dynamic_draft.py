@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_model import tiny_hf
 
-from drafter_lib.engine import DraftEngine
+from drafter_lib.engine import RECOMMENDED, DraftEngine
 
 V = 61
 COPY = {"enabled": True, "max_ngram": 3, "min_ngram": 2, "max_copy": 5, "mode": "prefix"}
@@ -112,14 +112,16 @@ def test_model_dir_default_pack_and_export(hf, tmp_path):
     d = pack_checkpoint(hf, hf.config, tmp_path / "on", qc, min_confidence=c)
     assert json.loads((d / "config.json").read_text())["draft_min_confidence"] == c
     for dtype in ("float32", "float16"):
-        eng = DraftEngine.from_dir(d, dtype=dtype)
-        ref = DraftEngine.from_dir(d, dtype=dtype, min_confidence=0)  # a load-time override turns it off
-        assert eng.min_confidence == c and ref.min_confidence == 0
+        eng = DraftEngine.from_dir(d, dtype=dtype, min_confidence=RECOMMENDED)  # the pack's threshold, asked for
+        ref = DraftEngine.from_dir(d, dtype=dtype)  # the pack only recommends it: off unless asked for
+        assert eng.min_confidence == c and ref.min_confidence is None
+        assert ref.info()["recommended_min_confidence"] == c
         unstopped = ref.draft(p, 12, return_probs=True)
         stop = next((i for i, q in enumerate(unstopped.probs) if q < c), 12)
         assert eng.draft(p, 12) == unstopped[:stop]
         assert eng.draft(p, 12, min_confidence=0) == unstopped
-    assert DraftEngine.from_dir(d, dtype="float32").draft(p, 12) == full[:j]
+    assert DraftEngine.from_dir(d, dtype="float32", min_confidence=RECOMMENDED).draft(p, 12) == full[:j]
+    assert DraftEngine.from_dir(d, dtype="float32").draft(p, 12) == full
     exported = export_hf(d, tmp_path / "hf")  # a transformers config without the engine-only key
     assert "draft_min_confidence" not in json.loads((tmp_path / "hf" / "config.json").read_text())
     assert not hasattr(exported.config, "draft_min_confidence")

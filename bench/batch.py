@@ -28,14 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter_lib.openmp_wait import bounded_spin  # noqa: E402
+from drafter_lib.common.openmp_wait import bounded_spin
 
 WAIT = bounded_spin()  # before torch: the server's OpenMP wait (openmp_wait.py)
 
-import torch  # noqa: E402
+import torch
 
-from drafter_lib.engine import DraftEngine  # noqa: E402
-from drafter_lib.kernels import cpu_model  # noqa: E402
+from drafter_lib.common.measured_choice import cpu_model
+from drafter_lib.engine.draft_engine import DraftEngine
 
 
 def main(argv=None) -> dict:

@@ -27,10 +27,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter_lib import hf_models, model  # noqa: E402
-from drafter_lib.engine import DraftEngine  # noqa: E402
-from drafter_lib.evaluate import encode_records, greedy_references, load_eval_prompts  # noqa: E402
-from drafter_lib.kernels import cpu_model  # noqa: E402
+from drafter_lib.common.measured_choice import cpu_model
+from drafter_lib.engine.draft_engine import DraftEngine
+from drafter_lib.evaluation.evaluate import encode_records, greedy_references, load_eval_prompts
+from drafter_lib.model import hf_models
+from drafter_lib.model import transformer as model
 
 
 def loop_requests(prompt: list[int], reference: list[int], tokens: int, step: int) -> list[list[int]]:

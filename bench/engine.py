@@ -31,26 +31,27 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from drafter_lib.openmp_wait import bounded_spin  # noqa: E402
+from drafter_lib.common.openmp_wait import bounded_spin
 
 # The server's OpenMP wait (set before torch loads): threads spin a bounded while between ops, then sleep. Sleeping at
 # once wakes a thread for every op; spinning without bound, under CPU oversubscription, waits a whole time slice
 # for a descheduled worker (a warm 16-token draft at 1k context: 150 ms sleeping against 1,650 ms spinning).
 WAIT = bounded_spin()
 
-import argparse  # noqa: E402
-import ctypes  # noqa: E402
-import gc  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import ctypes
+import gc
+import random
+import statistics
+import tempfile
+import time
 
-import torch  # noqa: E402
+import torch
 
-from drafter_lib.engine import DraftEngine  # noqa: E402
-from drafter_lib.kernels import cache_file, cpu_model, decode_read_bytes  # noqa: E402
-from drafter_lib.weight_formats import weight_bytes  # noqa: E402
+from drafter_lib.common.measured_choice import cache_file, cpu_model
+from drafter_lib.engine.draft_engine import DraftEngine
+from drafter_lib.engine.kernels import decode_read_bytes
+from drafter_lib.engine.weight_formats import weight_bytes
 
 
 def rss_mb() -> float:
@@ -81,22 +82,22 @@ def bandwidth(nbytes: int, copy: bool = True, reps: int = 5) -> float:
 
 def build_hf_and_pack(args, out_dir: Path):
     """Returns (hf_model_with_restored_weights, model_dir)."""
-    from drafter_lib.export import export_hf
-    from drafter_lib.model_dir import write_model_dir
+    from drafter_lib.interop.hf_export import export_hf
+    from drafter_lib.packed.model_dir import write_model_dir
     from drafter_lib.quantization import QuantConfig
 
     if args.model_dir:
         model_dir = Path(args.model_dir)
     else:
         if args.tiny:
-            from drafter_lib.tiny_models import tiny_random_model
+            from drafter_lib.model.tiny_models import tiny_random_model
 
             hf = tiny_random_model("llama")
             hf = hf[0] if isinstance(hf, tuple) else hf
             cfg = hf.config.to_dict()
             cfg["max_position_embeddings"] = max(cfg.get("max_position_embeddings", 0), 2048)
         else:
-            from drafter_lib.hf_models import load_default_teacher, prune_layers
+            from drafter_lib.model.hf_models import load_default_teacher, prune_layers
 
             teacher, _ = load_default_teacher()
             hf, cfg = prune_layers(teacher, args.keep)

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from drafter_lib import hf_models
-from drafter_lib.self_prompts import DEFAULT_SAMPLING, sample_hf, sample_native, user_header, whole_turns
-from drafter_lib.teacher import stop_token_ids
-from drafter_lib.teacher_backends import NativeBackend
+from drafter_lib.common.chat import stop_token_ids
+from drafter_lib.data.self_prompts import DEFAULT_SAMPLING, sample_hf, sample_native, user_header, whole_turns
+from drafter_lib.decoding.backends import NativeBackend
+from drafter_lib.model import hf_models
 
 
 def main(argv=None):

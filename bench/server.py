@@ -31,7 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter_lib.client import SpeculativeClient  # noqa: E402
+from drafter_lib.serve.client import SpeculativeClient
 
 
 def free_port() -> int:
@@ -43,9 +43,9 @@ def free_port() -> int:
 def build_tiny_model(out: Path, vocab: int = 49152, hidden: int = 576, layers: int = 4) -> Path:
     """A random Llama shaped like the default drafter (SmolLM2 widths and vocab, few layers), packed like it
     (int4 linears, int8 embeddings): for running the bench before a trained model exists."""
-    from drafter_lib.model_dir import write_model_dir
+    from drafter_lib.model.tiny_models import tiny_random_model
+    from drafter_lib.packed.model_dir import write_model_dir
     from drafter_lib.quantization import QuantConfig
-    from drafter_lib.tiny_models import tiny_random_model
 
     model, _ = tiny_random_model("llama", vocab_size=vocab, tokenizer="bytes", hidden_size=hidden,
                                  num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=3,

@@ -16,7 +16,7 @@ verify). Rows run interleaved, prompt by prompt, so the machine's drift weighs o
 them, `speedup.measure_cost` prints each target's v_k (a verify step of k + 1 tokens in one-token steps) and the
 drafter's c, which decide the draft length that pays on the machine at hand.
 transformers' own assisted generation (`generate(assistant_model=...)`) runs with the drafter exported by
-`drafter_lib.export`. Prompts: the run's held-out file when given or present, else held-out prompts of the
+`drafter_lib.interop.hf_export`. Prompts: the run's held-out file when given or present, else held-out prompts of the
 embedded synthetic families and ../shared/data (by the study's id-hash split), spread over categories.
 """
 from __future__ import annotations
@@ -64,25 +64,26 @@ def make_parser() -> argparse.ArgumentParser:
 
 # Before torch, in this process and (inherited) in the HTTP drafter's: idle OpenMP threads spin a bounded while, then
 # sleep (openmp_wait.py). The two processes take turns on the same cores, so a short spin finds the next op of a
-# step while a long one (OpenMP's default) would hold a core the other process needs; sleeping at once (PASSIVE,
-# through session 13) paid a wake-up on every op.
+# step while a long one (OpenMP's default) would hold a core the other process needs; sleeping at once (PASSIVE)
+# pays a wake-up on every op.
 sys.path.insert(0, str(ROOT))
-from drafter_lib.openmp_wait import bounded_spin  # noqa: E402
+from drafter_lib.common.openmp_wait import bounded_spin
 
 WAIT = bounded_spin()
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
+import torch
+from tqdm import tqdm
 
-from bench.workload import heldout_prompts  # noqa: E402
-from drafter_lib import hf_models, teacher  # noqa: E402
-from drafter_lib.client import SpeculativeClient  # noqa: E402
-from drafter_lib.engine import DraftEngine  # noqa: E402
-from drafter_lib.evaluate import encode_records  # noqa: E402
-from drafter_lib.kernels import cpu_model  # noqa: E402
-from drafter_lib.model import Transformer  # noqa: E402
-from drafter_lib.speculative import HFTarget, NativeTarget, speculative_generate  # noqa: E402
-from drafter_lib.speedup import measure_cost  # noqa: E402
+from bench.workload import heldout_prompts
+from drafter_lib.common.measured_choice import cpu_model
+from drafter_lib.decoding.speculative import HFTarget, NativeTarget, speculative_generate
+from drafter_lib.engine.draft_engine import DraftEngine
+from drafter_lib.evaluation.evaluate import encode_records
+from drafter_lib.evaluation.speedup import measure_cost
+from drafter_lib.model import hf_models
+from drafter_lib.model.transformer import Transformer
+from drafter_lib.serve.client import SpeculativeClient
+from drafter_lib.teacher import targets as teacher
 
 
 def parse_env(settings: str) -> dict:
@@ -231,8 +232,7 @@ def main(argv=None) -> list[dict]:
     if "hf-stock" in args.targets:
         targets["transformers stock"] = HFTarget(hf, gqa_kernel=False, linears="stock")
     if "native" in args.targets:
-        sd = {k: v.detach().float() for k, v in hf.state_dict().items()}
-        targets["hand-written fp32"] = NativeTarget(Transformer.from_hf(hf.config.to_dict(), sd).float().eval())
+        targets["hand-written fp32"] = NativeTarget(Transformer.from_hf_model(hf))
 
     for tname, target in targets.items():
         print(f"{tname}: linears {target.linears}")
@@ -267,7 +267,7 @@ def main(argv=None) -> list[dict]:
                 print(f"fastest on {tname}: {best['drafter']} ({best['speedup']:.2f}x)"
                       + (f"; best threshold: {dyn['drafter']} ({dyn['speedup']:.2f}x)" if dyn else ""), flush=True)
         for label, model_dir in [] if args.no_assisted else packs:
-            from drafter_lib.export import export_hf
+            from drafter_lib.interop.hf_export import export_hf
 
             with tempfile.TemporaryDirectory() as d:
                 assistant = export_hf(model_dir, Path(d) / "hf")

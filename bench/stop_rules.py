@@ -25,13 +25,14 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.workload import heldout_prompts  # noqa: E402
-from drafter_lib import hf_models, teacher  # noqa: E402
-from drafter_lib.engine import DraftEngine  # noqa: E402
-from drafter_lib.evaluate import encode_records  # noqa: E402
-from drafter_lib.kernels import cpu_model  # noqa: E402
-from drafter_lib.speculative import HFTarget, accepted_length, speculative_generate  # noqa: E402
-from drafter_lib.speedup import measure_cost  # noqa: E402
+from bench.workload import heldout_prompts
+from drafter_lib.common.measured_choice import cpu_model
+from drafter_lib.decoding.speculative import HFTarget, accepted_length, speculative_generate
+from drafter_lib.engine.draft_engine import DraftEngine
+from drafter_lib.evaluation.evaluate import encode_records
+from drafter_lib.evaluation.speedup import measure_cost
+from drafter_lib.model import hf_models
+from drafter_lib.teacher import targets as teacher
 
 
 def trace(engine, target, prompts, max_new: int, k: int, stop) -> list[dict]:

@@ -13,8 +13,8 @@ prompts. Systems (run interleaved, batch size by batch size, so machine load hit
   native-soft    native + top-32 soft labels at every continuation position (what the study stores)
   native-soft-prompt  native-soft + top-32 at every prompt position
   native-soft-prompt-16   top-16 at every position: what the study runs
-  native-soft-prompt-v20  the same as session 20 ran it: prompts prefilled one by one, the head in one product
-  native-soft-prompt-v21  as session 21 ran it: decode attention over every row up to the longest row's position
+  native-soft-prompt-v20  the same without shared prefills: prompts prefilled one by one, the head in one product
+  native-soft-prompt-v21  the same without per-block decode attention: every row attends up to the longest row
   native-bf16 / native-fp16   weights in bf16 / fp16 (activations fp32); fast only where the CPU has kernels
 Prints tokens/s per system and batch, the ratio to hf at the same batch, and token agreement with hf and with
 native (or, without native, the first other system listed):
@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from drafter_lib import hf_models, teacher
-from drafter_lib.io_utils import read_jsonl
-from drafter_lib.layout import SHARED_DATA_DEFAULT
+from drafter_lib.common.files import read_jsonl
+from drafter_lib.common.layout import SHARED_DATA_DEFAULT
+from drafter_lib.model import hf_models
+from drafter_lib.teacher import targets as teacher
 
 TOPICS = ["the water cycle", "binary search", "a haiku about autumn", "why the sky is blue", "photosynthesis",
           "how to sort a list in python", "the french revolution", "a recipe for pancakes", "black holes",
@@ -42,10 +43,10 @@ SYSTEMS = {
     "native-static": dict(backend="native", schedule="static"),
     "native-soft": dict(backend="native", soft_topk=32),
     "native-soft-prompt": dict(backend="native", soft_topk=32, soft_prompt=True),
-    # what the study runs (top-16 at every position) before session 21: prompt-by-prompt prefills, one head product
+    # what the study runs (top-16 at every position) without shared prefills: prompt by prompt, one head product
     "native-soft-prompt-v20": dict(backend="native", soft_topk=16, soft_prompt=True,
                                    native_options=dict(prefill_group=1, sliced_head=False)),
-    # session 21's: decode attention reads every row's keys up to the batch's longest position
+    # without per-block decode attention: every row reads keys up to the batch's longest position
     "native-soft-prompt-v21": dict(backend="native", soft_topk=16, soft_prompt=True,
                                    native_options=dict(row_blocks=0)),
     "native-soft-prompt-16": dict(backend="native", soft_topk=16, soft_prompt=True),
@@ -103,7 +104,7 @@ def main():
           f"avx512_bf16 {torch.cpu._is_avx512_bf16_supported()}  amx {torch.cpu._is_amx_tile_supported()}  "
           f"threads {torch.get_num_threads()}")
     if any(SYSTEMS[s].get("backend") == "native" for s in args.systems):
-        from drafter_lib.sliced_head import choose_slice
+        from drafter_lib.decoding.sliced_head import choose_slice
 
         choice = choose_slice(model.get_output_embeddings().weight.detach().float())  # what each native run holds
         print(f"native head on this machine: {choice['path']} (us per 128-row call: {choice.get('us_per_call')})")

@@ -7,10 +7,10 @@ on sys.path.
 """
 from __future__ import annotations
 
-from drafter_lib import data
-from drafter_lib.config import DataConfig
-from drafter_lib.evaluate import load_eval_prompts, spread_over_categories
-from drafter_lib.layout import SHARED_DATA_DEFAULT, RunLayout
+from drafter_lib.common.layout import SHARED_DATA_DEFAULT, RunLayout
+from drafter_lib.data import corpora as data
+from drafter_lib.evaluation.evaluate import load_eval_prompts, spread_over_categories
+from drafter_lib.study.config import DataConfig
 
 
 def heldout_prompts(path: str | None, n: int) -> list[dict]:

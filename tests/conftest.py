@@ -2,7 +2,7 @@
 import os
 import tempfile
 
-from drafter_lib.openmp_wait import bounded_spin
+from drafter_lib.common.openmp_wait import bounded_spin
 
 # Before torch loads: the OpenMP wait the servers the tests start set for themselves, so both sides cache their kernel
 # plans under one machine key (kernels.machine_key).
@@ -44,7 +44,7 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def byte_tok():
     """The offline byte-level tokenizer with a ChatML template (vocab 259)."""
-    from drafter_lib.tiny_models import byte_tokenizer
+    from drafter_lib.model.tiny_models import byte_tokenizer
 
     return byte_tokenizer()
 
@@ -52,7 +52,7 @@ def byte_tok():
 @pytest.fixture(scope="session")
 def tiny_random():
     """Factory over tiny_models.tiny_random_model with the byte tokenizer unless told otherwise: (model, tokenizer)."""
-    from drafter_lib.tiny_models import tiny_random_model
+    from drafter_lib.model.tiny_models import tiny_random_model
 
     def make(arch: str = "llama", **kw):
         kw.setdefault("tokenizer", "bytes")
@@ -65,6 +65,6 @@ def tiny_random():
 def tiny_target():
     """(model, byte tokenizer): a tiny random Llama target for speculative-decoding and evaluation tests. Tests
     must not change its weights."""
-    from drafter_lib.tiny_models import tiny_random_model
+    from drafter_lib.model.tiny_models import tiny_random_model
 
     return tiny_random_model("llama", tokenizer="bytes", hidden_size=32, num_hidden_layers=2, seed=3)

@@ -22,7 +22,7 @@ def tiny_hf_model(seed: int = 0, vocab_size: int = TINY_VOCAB, std: float = 0.3,
     `shape` overrides the config (e.g. more layers / KV heads for a model whose KV cache weighs something)."""
     import torch
 
-    from drafter_lib.tiny_models import tiny_random_model
+    from drafter_lib.model.tiny_models import tiny_random_model
 
     cfg = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                intermediate_size=128, max_position_embeddings=TINY_MAX_POS)
@@ -38,7 +38,7 @@ def tiny_hf_model(seed: int = 0, vocab_size: int = TINY_VOCAB, std: float = 0.3,
 
 def write_tiny_model_dir(out_dir: Path, model, bits: int = 4, copy_enabled: bool = False) -> Path:
     """Pack an HF model: int4 (or int8) group-wise linears, int8 per-row embeddings."""
-    from drafter_lib.model_dir import write_model_dir
+    from drafter_lib.packed.model_dir import write_model_dir
     from drafter_lib.quantization import QuantConfig, QuantSpec
 
     qconfig = QuantConfig.default_for(group_size=32)
@@ -115,7 +115,7 @@ def guarded_env(guard_dir: Path, log: Path, **extra) -> dict:
 # shutdown become deterministic to test. Same app and the same draining uvicorn server as server.py.
 DELAYED_SERVER = textwrap.dedent('''
     import os, time
-    from drafter_lib.server_app import Settings, create_app, load_engine, serve
+    from drafter_lib.serve.app import Settings, create_app, load_engine, serve
 
     settings = Settings.from_env()
     engine = load_engine(settings)
@@ -161,7 +161,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
 
     def wait_ready(self, timeout: float = 120.0):
-        from drafter_lib.client import SpeculativeClient
+        from drafter_lib.serve.client import SpeculativeClient
 
         with SpeculativeClient(self.url) as c:
             try:

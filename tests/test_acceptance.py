@@ -1,10 +1,10 @@
-"""Acceptance statistics and the greedy-verification simulation (drafter_lib.acceptance)."""
+"""Acceptance statistics and the greedy-verification simulation (drafter_lib.evaluation.acceptance)."""
 import random
 
 import pytest
 
-from drafter_lib.acceptance import AcceptanceStats, simulate
-from drafter_lib.speculative import FnDrafter
+from drafter_lib.decoding.speculative import FnDrafter
+from drafter_lib.evaluation.acceptance import AcceptanceStats, simulate
 
 
 def oracle(full):
@@ -96,9 +96,9 @@ def test_bad_inputs():
 def test_growing_drafts_give_the_statistics_of_full_drafts(tiny_target):
     """grow=True drafts 2, 4, 8 tokens while all are accepted: the engines (with and without the copy prior, in
     both of its modes) and n-gram lookup get exactly the statistics of one k-token draft per step."""
-    from drafter_lib.baselines import engine_from_state_dict, ngram_drafter
-    from drafter_lib.hf_models import prune_layers
-    from drafter_lib.speculative import speculative_generate
+    from drafter_lib.decoding.speculative import speculative_generate
+    from drafter_lib.evaluation.drafters import engine_from_state_dict, ngram_drafter
+    from drafter_lib.model.hf_models import prune_layers
 
     model, tok = tiny_target
     prompts = [list(tok.encode(t)) for t in ("abc abc abc abc abc", "the cat sat on the mat; the cat", "1 2 3 1 2 3")]

@@ -2,8 +2,7 @@
 from collections import Counter
 
 from bench.batch import blas_ceiling, layer_shapes
-from drafter_lib.model import ModelConfig, Transformer
-from drafter_lib.weight_formats import linears
+from drafter_lib.model.transformer import ModelConfig, Transformer, linears
 
 
 def test_the_blas_reference_times_the_layers_own_weight_shapes():

@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.determinism import round_linear_inputs
-from drafter_lib import model
+from drafter_lib.model import transformer as model
 
 
 def test_rounded_inputs_give_the_product_of_the_bf16_rounding(monkeypatch):

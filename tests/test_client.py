@@ -7,10 +7,10 @@ import pytest
 import torch
 from server_helpers import TINY_VOCAB, ServerProcess, tiny_hf_model, write_tiny_model_dir
 
-from drafter_lib.client import DraftServerError, SpeculativeClient
-from drafter_lib.engine import DraftEngine
-from drafter_lib.model import Transformer
-from drafter_lib.speculative import NativeTarget, speculative_generate
+from drafter_lib.decoding.speculative import NativeTarget, speculative_generate
+from drafter_lib.engine.draft_engine import DraftEngine
+from drafter_lib.model.transformer import Transformer
+from drafter_lib.serve.client import DraftServerError, SpeculativeClient
 
 EOS = 258  # the byte tokenizer's <|im_end|>
 

@@ -5,10 +5,10 @@ import time
 
 import pytest
 
-from drafter_lib import config as C
-from drafter_lib import hf_models
-from drafter_lib.layout import RunLayout
-from drafter_lib.train import TrainConfig
+from drafter_lib.common.layout import RunLayout
+from drafter_lib.model import hf_models
+from drafter_lib.study import config as C
+from drafter_lib.train.trainer import TrainConfig
 
 
 def _needs_default_teacher():
@@ -185,7 +185,7 @@ def test_stage_hashes_follow_the_keys_each_stage_reads():
 
 
 def test_cli_rejects_a_bad_config_before_running_anything(capsys):
-    from drafter_lib import study
+    from drafter_lib.study import run as study
 
     t0 = time.time()
     with pytest.raises(SystemExit) as exc:
@@ -198,8 +198,8 @@ def test_cli_rejects_a_bad_config_before_running_anything(capsys):
 
 
 def test_training_rows_too_short_for_the_teachers_rows_are_noted_not_refused(capsys):
-    from drafter_lib import study
-    from drafter_lib.config_checks import waste_notes
+    from drafter_lib.study import run as study
+    from drafter_lib.study.config_checks import waste_notes
 
     for name in C.PRESETS:  # every preset sizes its training rows to the longest prompt plus its answer
         assert waste_notes(C.build_config(name, check_models=False)) == []

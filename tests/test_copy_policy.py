@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from drafter_lib.copy_policy import CopyPolicy
+from drafter_lib.packed.copy_policy import CopyPolicy
 
 
 def test_match_proposes_following_tokens():

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from drafter_lib import data as D
-from drafter_lib import hf_models as H
-from drafter_lib.model_dir import sha256_file
-from drafter_lib.synthetic import FAMILIES, synthetic_prompts
-from drafter_lib.tiny_models import byte_tokenizer, tiny_random_model
+from drafter_lib.common.files import sha256_file
+from drafter_lib.data import corpora as D
+from drafter_lib.data.synthetic import FAMILIES, synthetic_prompts
+from drafter_lib.model import hf_models as H
+from drafter_lib.model.tiny_models import byte_tokenizer, tiny_random_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
@@ -45,7 +45,7 @@ def test_open_ended_families_varied_and_named_apart_from_mt_bench():
 
 
 def test_default_mixture_without_shared_corpora(tmp_path):
-    from drafter_lib.config import DEFAULT_SOURCE_WEIGHTS, DataConfig
+    from drafter_lib.study.config import DEFAULT_SOURCE_WEIGHTS, DataConfig
 
     assert DataConfig().source_weights == DEFAULT_SOURCE_WEIGHTS
     full = D.only_present(DEFAULT_SOURCE_WEIGHTS, D.default_sources(SHARED, humaneval=False)) \

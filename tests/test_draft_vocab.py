@@ -6,9 +6,9 @@ import pytest
 import torch
 from test_model import tiny_hf
 
-from drafter_lib import draft_vocab as DV
-from drafter_lib.model import Transformer
-from drafter_lib.model_dir import ModelDirError, read_model_dir, write_model_dir
+from drafter_lib.model import draft_vocab as DV
+from drafter_lib.model.transformer import Transformer
+from drafter_lib.packed.model_dir import ModelDirError, read_model_dir, write_model_dir
 from drafter_lib.quantization import QuantConfig
 
 V = 97
@@ -79,7 +79,7 @@ def test_pack_round_trip_and_checks(tmp_path):
 
 
 def test_hf_training_side_reduce_save_load_and_pack(tmp_path):
-    from drafter_lib.pack import pack_checkpoint
+    from drafter_lib.study.pack import pack_checkpoint
 
     hf = tiny_hf("llama", vocab_size=V, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, tie_word_embeddings=True)
@@ -113,7 +113,7 @@ def test_hf_training_side_reduce_save_load_and_pack(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_engine_drafts_full_vocabulary_ids_from_a_reduced_head(tmp_path, dtype):
-    from drafter_lib.engine import DraftEngine
+    from drafter_lib.engine.draft_engine import DraftEngine
     from drafter_lib.quantization import QuantSpec
 
     hf = tiny_hf("llama", vocab_size=V, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -144,7 +144,7 @@ def test_engine_drafts_full_vocabulary_ids_from_a_reduced_head(tmp_path, dtype):
 
 def test_greedy_decoding_of_a_reduced_head_speaks_full_ids():
     """The speculative loop's targets map a reduced head to full-vocabulary ids (04_pack's reference drafts)."""
-    from drafter_lib.speculative import greedy_decode
+    from drafter_lib.decoding.speculative import greedy_decode
 
     hf = tiny_hf("llama", vocab_size=V, tie_word_embeddings=True)
     ids = torch.arange(2, V, 5)

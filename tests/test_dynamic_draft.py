@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_model import tiny_hf
 
-from drafter_lib.engine import RECOMMENDED, DraftEngine
+from drafter_lib.engine.draft_engine import RECOMMENDED, DraftEngine
 
 V = 61
 COPY = {"enabled": True, "max_ngram": 3, "min_ngram": 2, "max_copy": 5, "mode": "prefix"}
@@ -99,9 +99,9 @@ def test_default_off_and_per_request_override(hf, tmp_path):
 
 
 def test_model_dir_default_pack_and_export(hf, tmp_path):
-    from drafter_lib.export import export_hf
-    from drafter_lib.pack import pack_checkpoint
+    from drafter_lib.interop.hf_export import export_hf
     from drafter_lib.quantization import QuantConfig
+    from drafter_lib.study.pack import pack_checkpoint
 
     qc = QuantConfig.default_for(group_size=16)
     off = DraftEngine.from_dir(pack_checkpoint(hf, hf.config, tmp_path / "off", qc), dtype="float32")
@@ -150,7 +150,7 @@ def test_mixed_thresholds_batch_equals_single_and_warm_equals_cold(dtype, copy, 
     positions were cached). float16 and auto load a packed dir, so the head is the exact-argmax Int8Head."""
     m = sharp(1.0, seed=3)
     if dtype in ("float16", "auto"):
-        from drafter_lib.model_dir import write_model_dir
+        from drafter_lib.packed.model_dir import write_model_dir
         from drafter_lib.quantization import QuantConfig
 
         write_model_dir(tmp_path / "m", m.config.to_dict(), m.state_dict(), QuantConfig.default_for(group_size=16))
@@ -222,7 +222,7 @@ def test_copied_tokens_are_not_subject_to_the_threshold(hf):
 
 def test_int8_head_logits_are_fp32_accurate():
     """The confidence path's logits of an int8-row head: as close to float64 as the dequantizing forward."""
-    from drafter_lib.weight_formats import Int8Head, int8_rows
+    from drafter_lib.engine.weight_formats import Int8Head, int8_rows
 
     g = torch.Generator().manual_seed(1)
     q, scale = int8_rows(torch.randn(3000, 96, generator=g) * 0.05)
@@ -244,9 +244,9 @@ def test_packed_int8_head_probs_equal_softmax_of_its_logits(tmp_path):
     """The default engine of a pack (Int8Head: the exact argmax, probabilities from Int8Head.approx_logits): its tokens
     are the argmax and its probabilities the softmax of the head's dequantized fp32 logits over the same hidden
     states (recomputed here as one prefill)."""
-    from drafter_lib.model_dir import write_model_dir
+    from drafter_lib.engine.weight_formats import Int8Head
+    from drafter_lib.packed.model_dir import write_model_dir
     from drafter_lib.quantization import QuantConfig
-    from drafter_lib.weight_formats import Int8Head
 
     m = sharp(0.5, seed=1)
     write_model_dir(tmp_path / "m", m.config.to_dict(), m.state_dict(), QuantConfig.default_for(group_size=16))

@@ -3,8 +3,8 @@ import pytest
 import torch
 from test_model import tiny_hf
 
-from drafter_lib.engine import DraftEngine
-from drafter_lib.generate import greedy_generate
+from drafter_lib.decoding.generate import greedy_generate
+from drafter_lib.engine.draft_engine import DraftEngine
 
 V = 61
 
@@ -162,7 +162,7 @@ def test_bad_input(hf):
 
 
 def test_loads_packed_model_dir(hf, tmp_path):
-    md = pytest.importorskip("drafter_lib.model_dir")
+    md = pytest.importorskip("drafter_lib.packed.model_dir")
     q = pytest.importorskip("drafter_lib.quantization")
     qc = q.QuantConfig.default_for(group_size=16)
     md.write_model_dir(tmp_path / "m", hf.config.to_dict(), hf.state_dict(), qc,
@@ -177,7 +177,7 @@ def test_loads_packed_model_dir(hf, tmp_path):
 
 
 def test_int8_mode_close_and_small(hf):
-    from drafter_lib.weight_formats import weight_bytes
+    from drafter_lib.engine.weight_formats import weight_bytes
 
     e8, e32 = make_engine(hf, dtype="int8"), make_engine(hf)
     assert weight_bytes(e8.model) < 0.4 * weight_bytes(e32.model)
@@ -193,7 +193,7 @@ def test_int8_mode_close_and_small(hf):
 
 def test_int8_head_argmax_is_exact():
     """The int8 pre-pass only prunes candidates: the argmax equals that of the full fp32 logits."""
-    from drafter_lib.weight_formats import Int8Head, int8_rows
+    from drafter_lib.engine.weight_formats import Int8Head, int8_rows
     g = torch.Generator().manual_seed(0)
     q, scale = int8_rows(torch.randn(4096, 96, generator=g) * 0.05)
     head = Int8Head(q, scale)
@@ -287,8 +287,8 @@ def test_cache_bound_in_bytes_and_in_flight_groups(hf):
 def test_from_dir_holds_the_packed_int8_rows_as_stored(hf, tmp_path):
     from safetensors import safe_open
 
-    from drafter_lib.model import Transformer
-    from drafter_lib.model_dir import read_model_dir, write_model_dir
+    from drafter_lib.model.transformer import Transformer
+    from drafter_lib.packed.model_dir import read_model_dir, write_model_dir
     from drafter_lib.quantization import QuantConfig
 
     write_model_dir(tmp_path / "m", hf.config.to_dict(), hf.state_dict(), QuantConfig.default_for(group_size=16))

@@ -1,12 +1,12 @@
-"""Prompt selection, references, the end-to-end check, reports and the CLI (drafter_lib.evaluate)."""
+"""Prompt selection, references, the end-to-end check, reports and the CLI (drafter_lib.evaluation.evaluate)."""
 import json
 
 import pytest
 
-from drafter_lib import evaluate as ev
-from drafter_lib.acceptance import simulate
-from drafter_lib.speculative import FnDrafter, speculative_generate
-from drafter_lib.teacher import stop_token_ids
+from drafter_lib.common.chat import stop_token_ids
+from drafter_lib.decoding.speculative import FnDrafter, speculative_generate
+from drafter_lib.evaluation import evaluate as ev
+from drafter_lib.evaluation.acceptance import simulate
 
 
 def oracle(full):
@@ -27,7 +27,7 @@ def test_question_jsonl_and_limit_spreads_over_categories(tmp_path):
     cats = [r["category"] for r in picked]
     assert cats.count("coding") == 2 and cats.count("math") >= 2 and cats.count("writing") >= 2
     assert cats[:3] == ["writing", "math", "coding"]  # round-robin, not the first N
-    from drafter_lib.tiny_models import byte_tokenizer
+    from drafter_lib.model.tiny_models import byte_tokenizer
 
     ids = ev.encode_records(byte_tokenizer(), picked[:1])[0]
     assert byte_tokenizer().decode(ids).endswith("writing q0?<|im_end|>\n<|im_start|>assistant\n")
@@ -71,9 +71,9 @@ def test_references_match_plain_greedy(tiny_target):
 
 
 def test_cli_on_tiny_target_and_packed_drafter(tmp_path, tiny_target, capsys):
-    from drafter_lib.hf_models import prune_layers
-    from drafter_lib.pack import pack_checkpoint
+    from drafter_lib.model.hf_models import prune_layers
     from drafter_lib.quantization import QuantConfig
+    from drafter_lib.study.pack import pack_checkpoint
 
     model, tok = tiny_target
     target_dir = tmp_path / "target"
@@ -103,8 +103,8 @@ def test_cli_on_tiny_target_and_packed_drafter(tmp_path, tiny_target, capsys):
 
 
 def test_second_turn_is_prompted_with_the_targets_own_first_answer(tiny_target, tmp_path):
-    from drafter_lib.heldout import conversation_items
-    from drafter_lib.teacher import encode_chat
+    from drafter_lib.common.chat import encode_chat
+    from drafter_lib.data.heldout import conversation_items
 
     model, tok = tiny_target
     u1, u2 = {"role": "user", "content": "tell me a story"}, {"role": "user", "content": "shorter, please"}
@@ -123,7 +123,7 @@ def test_second_turn_is_prompted_with_the_targets_own_first_answer(tiny_target, 
 
 
 def test_pool_by_origin_merges_groups_and_marks_mixed_ones():
-    from drafter_lib.acceptance import AcceptanceStats, pool_by_origin
+    from drafter_lib.evaluation.acceptance import AcceptanceStats, pool_by_origin
 
     a, b, c = AcceptanceStats(2), AcceptanceStats(2), AcceptanceStats(2)
     a.add(2, 2), a.add(0, 2), b.add(1, 2), c.add(0, 1)
@@ -135,9 +135,9 @@ def test_pool_by_origin_merges_groups_and_marks_mixed_ones():
 
 
 def test_report_has_every_drafter_per_category_and_position(tiny_target, tmp_path):
-    from drafter_lib.acceptance import simulate
-    from drafter_lib.baselines import engine_from_state_dict, ngram_drafter
-    from drafter_lib.heldout import MULTI_TURN, conversation_items
+    from drafter_lib.data.heldout import MULTI_TURN, conversation_items
+    from drafter_lib.evaluation.acceptance import simulate
+    from drafter_lib.evaluation.drafters import engine_from_state_dict, ngram_drafter
 
     model, tok = tiny_target
     user = lambda text: {"role": "user", "content": text}  # noqa: E731

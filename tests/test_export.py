@@ -4,10 +4,10 @@ import pytest
 import torch
 from test_model import tiny_hf
 
-from drafter_lib.engine import DraftEngine
-from drafter_lib.export import export_hf, main
-from drafter_lib.pack import pack_checkpoint
+from drafter_lib.engine.draft_engine import DraftEngine
+from drafter_lib.interop.hf_export import export_hf, main
 from drafter_lib.quantization import QuantConfig
+from drafter_lib.study.pack import pack_checkpoint
 
 transformers = pytest.importorskip("transformers")
 V = 97
@@ -78,9 +78,9 @@ def test_export_cli_and_bad_pack(exported, tmp_path):
 
 
 def test_reduced_draft_vocab_exports_as_full_head_with_suppressed_tokens(tmp_path):
-    from drafter_lib import draft_vocab as DV
-    from drafter_lib.model import Transformer
-    from drafter_lib.model_dir import read_model_dir
+    from drafter_lib.model import draft_vocab as DV
+    from drafter_lib.model.transformer import Transformer
+    from drafter_lib.packed.model_dir import read_model_dir
 
     drafter = _sharpen(tiny_hf("llama", vocab_size=V, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
                                num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))

@@ -1,10 +1,10 @@
-"""greedy_generate / verify_greedy vs transformers greedy generate on a tiny random model."""
+"""greedy_generate / verify_draft_on_model vs transformers greedy generate on a tiny random model."""
 import pytest
 import torch
 from test_model import tiny_hf
 
-from drafter_lib.generate import greedy_generate, verify_greedy
-from drafter_lib.model import Transformer
+from drafter_lib.decoding.generate import greedy_generate, verify_draft_on_model
+from drafter_lib.model.transformer import Transformer
 
 
 def hf_greedy(hf, prompt, n, stop=None):
@@ -61,19 +61,19 @@ def test_verify_greedy(models):
     ctx = list(range(3, 20))
     target = greedy_generate(ours, [ctx], 8)[0]
     # perfect draft: all accepted, bonus token = the 9th greedy token
-    n, toks = verify_greedy(ours, ctx, target[:7])
+    n, toks = verify_draft_on_model(ours, ctx, target[:7])
     assert n == 7 and toks == target[:8]
     # wrong 4th token: 3 accepted, the target's correction at index 3
     bad = target[:7].copy()
     bad[3] = (bad[3] + 1) % 61
-    n, toks = verify_greedy(ours, ctx, bad)
+    n, toks = verify_draft_on_model(ours, ctx, bad)
     assert n == 3 and toks[:4] == target[:4]
     # with a cache reused across steps (speculative loop) = plain greedy output
     cache = ours.new_cache(1, 8)
     seq, cached = list(ctx), 0
     while len(seq) < len(ctx) + 8:
         draft = [5, 6, 7] if len(seq) % 2 else target[len(seq) - len(ctx):len(seq) - len(ctx) + 3]
-        n, toks = verify_greedy(ours, seq, draft, cache=cache, cached_len=cached)
+        n, toks = verify_draft_on_model(ours, seq, draft, cache=cache, cached_len=cached)
         seq += draft[:n] + [toks[n]]
         cached = len(seq) - 1  # cache holds everything but the bonus token
     assert seq[len(ctx):len(ctx) + 8] == target
@@ -89,7 +89,7 @@ def lively(request):
 
 def test_continuous_batching_equals_static_and_hf(lively):
     """More prompts than slots: finished rows are refilled mid-run; rows equal the static schedule and HF."""
-    from drafter_lib.generate import stream_generate
+    from drafter_lib.decoding.generate import stream_generate
 
     hf, ours = lively
     g = torch.Generator().manual_seed(3)
@@ -116,7 +116,7 @@ def test_continuous_batching_equals_static_and_hf(lively):
 def test_shared_prefills_change_no_row(lively, monkeypatch):
     """Waiting prompts prefilled together (right-padded; refills wait for a group of free slots), one by one, or
     alone because they are long: the same rows and soft labels, equal to HF greedy."""
-    from drafter_lib import generate
+    from drafter_lib.decoding import generate
 
     hf, ours = lively
     g = torch.Generator().manual_seed(5)
@@ -151,9 +151,9 @@ def test_row_blocks_sorted_by_position_change_no_row(lively, monkeypatch):
     """Decode attention per block of rows, each reading keys up to its own longest position, with the slots (and
     the cache's rows) re-sorted by position every few steps: the same rows and soft labels as one block over the
     whole batch, equal to HF greedy, while reading far fewer keys."""
-    from drafter_lib import generate
-    from drafter_lib.kv_cache import KVCache
-    from drafter_lib.model import Attention
+    from drafter_lib.decoding import generate
+    from drafter_lib.model.kv_cache import KVCache
+    from drafter_lib.model.transformer import Attention
 
     hf, ours = lively
     g = torch.Generator().manual_seed(6)
@@ -211,7 +211,7 @@ def teacher_cut(tokens, stop):
 
 def test_stream_soft_labels_equal_full_logits(lively):
     """top-K at every prompt and continuation position == top-K of HF's full-sequence logits (teacher forcing)."""
-    from drafter_lib.generate import stream_generate
+    from drafter_lib.decoding.generate import stream_generate
 
     hf, ours = lively
     g = torch.Generator().manual_seed(4)

@@ -1,4 +1,4 @@
-"""The held-out evaluation sets (drafter_lib.heldout): committed files and their provenance, the generated RAG
+"""The held-out evaluation sets (drafter_lib.data.heldout): committed files and their provenance, the generated RAG
 prompts, chat turns as items, and that nothing held out was ever a training prompt."""
 import json
 import re
@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
-from drafter_lib import config as C
-from drafter_lib import heldout as H
-from drafter_lib.layout import REPO_ROOT, SHARED_DATA_DEFAULT
-from drafter_lib.model_dir import sha256_file
+from drafter_lib.common.files import sha256_file
+from drafter_lib.common.layout import REPO_ROOT, SHARED_DATA_DEFAULT
+from drafter_lib.data import heldout as H
+from drafter_lib.study import config as C
 
 
 def readme_rows():
@@ -115,7 +115,7 @@ def test_overlap_check_finds_shared_ids_texts_and_13_grams():
 def test_heldout_sets_never_overlap_the_training_prompts():
     """Every default held-out set against the default study's training sources: the synthetic families and, where
     present, the shared corpora (t0, gsm8k train, self-instruct)."""
-    from drafter_lib import data
+    from drafter_lib.data import corpora as data
 
     held, _ = H.load_heldout_sets(C.DEFAULT_HELDOUT_FILES)
     shared = SHARED_DATA_DEFAULT if SHARED_DATA_DEFAULT.is_dir() else None
@@ -127,9 +127,9 @@ def test_heldout_sets_never_overlap_the_training_prompts():
 
 
 def test_eval_stage_leaves_out_what_the_run_trained_on_and_declares_the_sets(tmp_path):
-    from drafter_lib import stages
-    from drafter_lib.io_utils import read_json, write_json, write_jsonl
-    from drafter_lib.layout import RunLayout
+    from drafter_lib.common.files import read_json, write_json, write_jsonl
+    from drafter_lib.common.layout import RunLayout
+    from drafter_lib.study import stages
 
     run = RunLayout.of(tmp_path / "run")
     mt, _ = H.load_entry("data/heldout/mt_bench.jsonl")
@@ -149,7 +149,7 @@ def test_eval_stage_leaves_out_what_the_run_trained_on_and_declares_the_sets(tmp
     H.declare_eval_corpora(run.architecture, decls)
     assert read_json(run.architecture)["eval_corpora"] == json.loads(json.dumps(decls))
     assert stages.architecture_rows(run)[0]["input_sha256"] == H.COMMITTED["mt_bench.jsonl"]["sha256"]
-    from drafter_lib.verify import verify_run
+    from drafter_lib.study.verify import verify_run
 
     checks = [c for c in verify_run(run.root, teacher_weights=False).checks if c.key.startswith("eval_corpora")]
     assert [(c.key, c.ok) for c in checks] == [("eval_corpora[mt_bench].input_sha256", True),

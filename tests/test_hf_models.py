@@ -4,8 +4,8 @@ import json
 import pytest
 import torch
 
-from drafter_lib import hf_models as H
-from drafter_lib.tiny_models import tiny_random_model
+from drafter_lib.model import hf_models as H
+from drafter_lib.model.tiny_models import tiny_random_model
 
 torch.set_num_threads(2)
 _has_teacher = True

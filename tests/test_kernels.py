@@ -8,8 +8,9 @@ import torch
 from test_engine import V, _sharp_model, check_same_draft_whatever_cache_and_batch, make_engine, rand_tokens
 from test_model import tiny_hf
 
-from drafter_lib import kernels
-from drafter_lib.engine import DraftEngine
+from drafter_lib.common import measured_choice
+from drafter_lib.engine import kernels
+from drafter_lib.engine.draft_engine import DraftEngine
 
 
 @pytest.fixture()
@@ -39,17 +40,17 @@ def count_timings(monkeypatch, prefer: str | None = None) -> list:
 
 def test_interleaved_median_rotates_the_order_and_drops_the_warm_up_round(monkeypatch):
     clock = iter(range(10_000))  # a fake clock: every perf_counter() call advances one second
-    monkeypatch.setattr(kernels.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(measured_choice.time, "perf_counter", lambda: next(clock))
     order, costs = [], {"a": [50, 1, 1, 9, 1], "b": [3, 3, 3, 3, 3], "c": [0, 2, 7, 2, 2]}  # extra ticks per call
 
     def candidate(name):
         def run():
             order.append(name)
             for _ in range(costs[name][sum(n == name for n in order) - 1]):
-                kernels.time.perf_counter()
+                measured_choice.time.perf_counter()
         return run
 
-    secs = kernels.interleaved_median({n: candidate(n) for n in costs}, rounds=4)
+    secs = measured_choice.interleaved_median({n: candidate(n) for n in costs}, rounds=4)
     assert order == list("abc" "bca" "cab" "abc" "bca")  # warm-up round, then each round starts one further on
     assert secs == {"a": 2, "b": 4, "c": 3}  # median of rounds 1-4 (each call: its ticks + 1); a's 50 is dropped
 
@@ -62,7 +63,7 @@ def test_choice_is_measured_once_then_read_from_the_cache(hf, cache_dir, monkeyp
     gate_up = (hf.config.intermediate_size, hf.config.hidden_size)
     assert dict((c[0], c[1]) for c in calls)[gate_up] == 2 * hf.config.num_hidden_layers  # of every layer
     doc = json.loads((cache_dir / "kernels.json").read_text())
-    assert list(doc) == [kernels.machine_key()]
+    assert list(doc) == [measured_choice.machine_key()]
     plan = first.info()["kernels"]
     for entry in (v for k, v in plan.items() if k != "embedding"):
         assert entry["path"] in ("float32", "float16") and set(entry["us_per_call"]) == {"float32", "float16"}
@@ -75,8 +76,8 @@ def test_choice_is_measured_once_then_read_from_the_cache(hf, cache_dir, monkeyp
 
 
 def test_cache_key_names_cpu_capability_torch_and_threads(hf, cache_dir, monkeypatch):
-    key = kernels.machine_key()
-    for part in (kernels.cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
+    key = measured_choice.machine_key()
+    for part in (measured_choice.cpu_model(), torch.backends.cpu.get_cpu_capability(), torch.__version__,
                  f"{torch.get_num_threads()} threads"):
         assert part in key
     calls = count_timings(monkeypatch, prefer="float32")
@@ -84,7 +85,7 @@ def test_cache_key_names_cpu_capability_torch_and_threads(hf, cache_dir, monkeyp
     n = len(calls)
     make_engine(hf, dtype="auto")
     assert len(calls) == n  # the same machine: cached
-    monkeypatch.setattr(kernels, "cpu_model", lambda: "Another CPU")
+    monkeypatch.setattr(measured_choice, "cpu_model", lambda: "Another CPU")
     make_engine(hf, dtype="auto")
     assert len(calls) == 2 * n  # another CPU: timed again
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)
@@ -101,7 +102,7 @@ def test_corrupt_cache_is_ignored_with_a_warning_and_rewritten(hf, cache_dir, mo
         with pytest.warns(UserWarning, match="unreadable kernel cache"):
             eng = make_engine(hf, dtype="auto")
         assert all(v["path"] == "float16" for k, v in eng.kernels.items() if k != "embedding")
-        assert kernels.machine_key() in json.loads((cache_dir / "kernels.json").read_text())
+        assert measured_choice.machine_key() in json.loads((cache_dir / "kernels.json").read_text())
     assert len(calls) == 3 * len({tuple(m.weight.shape) for m in hf.modules() if isinstance(m, torch.nn.Linear)})
 
 
@@ -125,7 +126,7 @@ def test_approximate_paths_are_opt_in(hf, cache_dir, monkeypatch):
 def test_drafts_under_each_chosen_path_ignore_batch_and_cache_state(path, cache_dir, monkeypatch):
     if path == "float16+compile":
         monkeypatch.setenv("SPECDRAFT_COMPILE", "1")
-        if not (kernels.compile_wanted() and kernels.compile_works()):
+        if not (measured_choice.compile_wanted() and kernels.compile_works()):
             pytest.skip("inductor cannot compile here")
     count_timings(monkeypatch, prefer=path)
     m = _sharp_model(1.0)
@@ -138,7 +139,7 @@ def test_drafts_under_each_chosen_path_ignore_batch_and_cache_state(path, cache_
 
 
 def test_float32_plan_drafts_exactly_as_float32(hf, cache_dir, monkeypatch, tmp_path):
-    from drafter_lib.model_dir import write_model_dir
+    from drafter_lib.packed.model_dir import write_model_dir
     from drafter_lib.quantization import QuantConfig
 
     count_timings(monkeypatch, prefer="float32")
@@ -157,7 +158,7 @@ def test_float32_plan_drafts_exactly_as_float32(hf, cache_dir, monkeypatch, tmp_
 
 def test_cached_compiled_choice_falls_back_where_it_no_longer_compiles(hf, cache_dir, monkeypatch):
     monkeypatch.setenv("SPECDRAFT_COMPILE", "1")
-    if not kernels.compile_wanted():
+    if not measured_choice.compile_wanted():
         pytest.skip("no C++ compiler")
     count_timings(monkeypatch, prefer="float16+compile")  # as if an earlier process had chosen it
     monkeypatch.setattr(kernels, "compile_works", lambda: False)
@@ -167,7 +168,7 @@ def test_cached_compiled_choice_falls_back_where_it_no_longer_compiles(hf, cache
 
 
 def test_decode_read_bytes_counts_weights_as_held(hf, cache_dir, monkeypatch, tmp_path):
-    from drafter_lib.model_dir import write_model_dir
+    from drafter_lib.packed.model_dir import write_model_dir
     from drafter_lib.quantization import QuantConfig
 
     count_timings(monkeypatch, prefer="float16")
@@ -184,10 +185,10 @@ def test_decode_read_bytes_counts_weights_as_held(hf, cache_dir, monkeypatch, tm
 
 
 def test_model_dir_carries_its_engine_dtype(hf, cache_dir, monkeypatch, tmp_path):
-    from drafter_lib.engine import ENGINE_DTYPE_KEY
-    from drafter_lib.export import export_hf
-    from drafter_lib.pack import pack_checkpoint
+    from drafter_lib.engine.draft_engine import ENGINE_DTYPE_KEY
+    from drafter_lib.interop.hf_export import export_hf
     from drafter_lib.quantization import QuantConfig
+    from drafter_lib.study.pack import pack_checkpoint
 
     calls = count_timings(monkeypatch, prefer="int8")
     qc = QuantConfig.default_for(group_size=16)
@@ -216,7 +217,7 @@ def test_model_dir_carries_its_engine_dtype(hf, cache_dir, monkeypatch, tmp_path
 
 def _compiler_or_skip(monkeypatch):
     monkeypatch.setenv("SPECDRAFT_COMPILE", "1")
-    if not kernels.compile_wanted():
+    if not measured_choice.compile_wanted():
         pytest.skip("no C++ compiler")
 
 
@@ -237,8 +238,8 @@ def test_cached_step_compiled_where_measured_faster(cache_dir, monkeypatch):
 
     # as if this machine had measured the compiled step faster: the next load reads it and holds it, timing nothing
     doc = json.loads((cache_dir / "kernels.json").read_text())
-    key = next(k for k in doc[kernels.machine_key()] if k.startswith("step "))
-    doc[kernels.machine_key()][key] = dict(path="compiled", ms_per_step=dict(eager=2.0, compiled=1.0))
+    key = next(k for k in doc[measured_choice.machine_key()] if k.startswith("step "))
+    doc[measured_choice.machine_key()][key] = dict(path="compiled", ms_per_step=dict(eager=2.0, compiled=1.0))
     (cache_dir / "kernels.json").write_text(json.dumps(doc))
     compiled = make_engine(m, dtype="auto")
     assert len(steps) == 1 and compiled.step_plan["path"] == "compiled" and compiled.model.compiled_step is not None
@@ -269,7 +270,7 @@ def test_int8w_holds_int8_rows_with_fp32_activations(cache_dir, monkeypatch):
     dequantized rows; inside a compiled step it is the fused reduction over the int8 rows (the same values, another
     summation order). Drafts equal an fp32 engine holding those dequantized weights and ignore batch and cache
     state, compiled or not."""
-    from drafter_lib.weight_formats import Int8WeightLinear, int8_rows
+    from drafter_lib.engine.weight_formats import Int8WeightLinear, int8_rows
 
     g = torch.Generator().manual_seed(3)
     w, b, x = torch.randn(40, 24, generator=g), torch.randn(40, generator=g), torch.randn(2, 5, 24, generator=g)
@@ -318,8 +319,10 @@ def test_int8w_compiled_rows_as_fp16_draft_the_same_tokens(cache_dir, monkeypatc
     products are the same (inductor may sum them in another order: last bits), so the drafts are the same and their
     probabilities agree to fp32 rounding. The choice is measured once per shape and cached. Where the half-rows
     kernel builds, an engine whose whole-step timing keeps it drafts the same too, whatever its cache and batch."""
-    from drafter_lib import half_rows, head_paths, int8w_rows
-    from drafter_lib.weight_formats import Int8WeightLinear
+    from drafter_lib.engine import fp16_kernel as half_rows
+    from drafter_lib.engine import int8_head_logits as head_paths
+    from drafter_lib.engine import int8w_storage as int8w_rows
+    from drafter_lib.engine.weight_formats import Int8WeightLinear
 
     _compiler_or_skip(monkeypatch)
     monkeypatch.setattr(kernels, "time_step", lambda *a, **kw: {"eager": 2.0, "compiled": 1.0})
@@ -362,7 +365,7 @@ def test_compiled_steps_skip_model_guards_but_never_share_graphs(monkeypatch):
     keeps its own graphs: a Llama and a Qwen3 of the same sizes (Qwen3 adds q/k norms) each step as their eager
     layers do, whichever compiled first; with one code object shared and no model guards, the second would run the
     first's graph."""
-    from drafter_lib.model import Transformer
+    from drafter_lib.model.transformer import Transformer
 
     _compiler_or_skip(monkeypatch)
     models = {}

@@ -5,20 +5,28 @@ import json
 import pytest
 import torch
 
-from drafter_lib import config as C
-from drafter_lib import draft_vocab as DV
-from drafter_lib import evaluate as ev
-from drafter_lib import hf_models, stages
-from drafter_lib import layer_costs as LC
-from drafter_lib import layer_study as LS
-from drafter_lib import speedup as S
-from drafter_lib import train as T
-from drafter_lib.acceptance import simulate
-from drafter_lib.baselines import engine_from_state_dict
-from drafter_lib.layer_grid import grid_cells
-from drafter_lib.layer_report import chosen, cost_table, plot_frontier, plot_layer_study, results_table, speedup_table
-from drafter_lib.layout import LayerStudyLayout, RunLayout
-from drafter_lib.teacher import encode_chat
+from drafter_lib.common.chat import encode_chat
+from drafter_lib.common.layout import LayerStudyLayout, RunLayout
+from drafter_lib.evaluation import evaluate as ev
+from drafter_lib.evaluation import speedup as S
+from drafter_lib.evaluation.acceptance import simulate
+from drafter_lib.evaluation.drafters import engine_from_state_dict
+from drafter_lib.model import draft_vocab as DV
+from drafter_lib.model import hf_models
+from drafter_lib.study import config as C
+from drafter_lib.study import stages
+from drafter_lib.study.ablations import layer_costs as LC
+from drafter_lib.study.ablations import layer_study as LS
+from drafter_lib.study.ablations.layer_grid import grid_cells
+from drafter_lib.study.ablations.layer_report import (
+    chosen,
+    cost_table,
+    plot_frontier,
+    plot_layer_study,
+    results_table,
+    speedup_table,
+)
+from drafter_lib.train import trainer as T
 
 TOPICS = ["apples", "rivers", "sorting lists", "prime numbers", "the moon", "tea", "bridges", "chess", "rain",
           "python loops", "clocks", "maps", "bees", "glass", "salt", "kites"]
@@ -209,9 +217,9 @@ def test_draft_vocab_coverage_helper():
 
 
 def test_same_training_ignores_paths_qat_and_bookkeeping_only():
-    from drafter_lib.io_utils import to_jsonable
-    from drafter_lib.layer_grid import same_training
-    from drafter_lib.train import TrainConfig
+    from drafter_lib.common.files import to_jsonable
+    from drafter_lib.study.ablations.layer_grid import same_training
+    from drafter_lib.train.trainer import TrainConfig
 
     cfg = TrainConfig(steps=900, lr=1.5e-3, loss="kl_topk", loss_on_prompt=True, draft_vocab_size=8192)
     run = to_jsonable(cfg)

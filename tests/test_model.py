@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from drafter_lib.model import ModelConfig, Transformer
+from drafter_lib.model.transformer import ModelConfig, Transformer
 
 transformers = pytest.importorskip("transformers")
 
@@ -169,7 +169,7 @@ def test_static_shape_cached_step_matches_hf(pair):
     logits for one-token steps and several-token tails after a cached prefix, and leaves the cache as the dynamic
     path leaves it."""
     hf, ours = pair
-    from drafter_lib.model import COMPILED_MAX_T
+    from drafter_lib.model.transformer import COMPILED_MAX_T
 
     n0 = COMPILED_MAX_T + 2  # a longer prefill stays on the dynamic (causal) path
     ids = torch.randint(0, 97, (1, n0 + 20))

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from drafter_lib.model_dir import ModelDirError, read_model_dir, sha256_file, write_model_dir
+from drafter_lib.common.files import sha256_file
+from drafter_lib.packed.model_dir import ModelDirError, read_model_dir, write_model_dir
 from drafter_lib.quantization import QuantConfig, QuantSpec, fake_quant
 
 V, H, I = 96, 64, 128
@@ -180,7 +181,7 @@ def test_missing_files_and_dir(packed_dir, tmp_path):
 
 
 def test_reader_does_not_import_transformers():
-    code = ("import sys, drafter_lib.model_dir, drafter_lib.quantization; "
+    code = ("import sys, drafter_lib.packed.model_dir, drafter_lib.quantization; "
             "assert 'transformers' not in sys.modules, 'transformers imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -188,7 +189,7 @@ def test_reader_does_not_import_transformers():
 def test_pack_carries_no_machine_path(tmp_path):
     """The loader's `_name_or_path` (the packing machine's checkpoint dir) stays out of config.json, and paths in
     the manifest metadata are stored repository-relative: two packs of the same weights are byte-identical."""
-    from drafter_lib.layout import REPO_ROOT
+    from drafter_lib.common.layout import REPO_ROOT
 
     docs = []
     for name in ("a", "b"):
@@ -202,3 +203,18 @@ def test_pack_carries_no_machine_path(tmp_path):
         docs.append(text)
     assert docs[0]["config.json"] == docs[1]["config.json"]
     assert read_model_dir(tmp_path / "a" / "model").config == _config()
+
+
+def test_committed_provenance_is_the_shipped_packs_run():
+    """The repository's architecture.json describes the run that made model/: the run named in model/manifest.json,
+    whose published report (results/<run>/) records the same pack file sizes and the same provenance, byte for
+    byte. Publishing a run's report over the shipped pack's run rewrites both together (study.run.publish_results)."""
+    from drafter_lib.common.layout import MODEL_DIR, REPO_ROOT, RESULTS_DIR
+
+    if not (MODEL_DIR / "manifest.json").is_file():
+        pytest.skip("no shipped model/ in this checkout")
+    manifest = json.loads((MODEL_DIR / "manifest.json").read_text())
+    report = RESULTS_DIR / manifest["run"]
+    sizes = json.loads((report / "pack_report.json").read_text())["sizes"]
+    assert sizes == {f.name: f.stat().st_size for f in MODEL_DIR.iterdir() if f.name in sizes}
+    assert (REPO_ROOT / "architecture.json").read_bytes() == (report / "architecture.json").read_bytes()

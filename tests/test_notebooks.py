@@ -5,8 +5,8 @@ import ast
 import nbformat
 import pytest
 
-from drafter_lib.layout import NOTEBOOKS_DIR
-from drafter_lib.study import STAGES
+from drafter_lib.common.layout import NOTEBOOKS_DIR
+from drafter_lib.study.run import STAGES
 
 MAX_CELL_LINES = 15
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))

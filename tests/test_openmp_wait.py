@@ -6,7 +6,7 @@ import sys
 import pytest
 from server_helpers import ROOT
 
-from drafter_lib.openmp_wait import BOUNDED_SPINS, bounded_spin, setting
+from drafter_lib.common.openmp_wait import BOUNDED_SPINS, bounded_spin, setting
 
 
 def test_bounded_spin_sets_a_spin_count_only_where_nothing_is_chosen():
@@ -31,7 +31,7 @@ class Spy:
             seen.append((os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")))
 sys.meta_path.insert(0, Spy())
 import server
-server.create_app  # the app's modules, torch among them (loaded here or on first use)
+import drafter_lib.serve.app  # the app's modules, torch among them
 import torch
 print(seen[0])
 """
@@ -49,7 +49,7 @@ def test_server_sets_the_wait_before_torch_loads(given, expected):
 
 def test_study_hands_its_notebooks_the_bounded_spin(monkeypatch):
     """The study's notebook kernels inherit the wait setting from the study process's environment."""
-    from drafter_lib import study
+    from drafter_lib.study import run as study
 
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(name, raising=False)

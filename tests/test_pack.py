@@ -1,15 +1,15 @@
 import pytest
 import torch
 
-from drafter_lib.model_dir import read_model_dir
-from drafter_lib.pack import (
+from drafter_lib.packed.model_dir import read_model_dir
+from drafter_lib.quantization import QuantConfig, apply_fake_quant, remove_fake_quant
+from drafter_lib.study.pack import (
     logit_agreement,
     pack_checkpoint,
     plot_logit_agreement,
     plot_weight_error,
     weight_error_table,
 )
-from drafter_lib.quantization import QuantConfig, apply_fake_quant, remove_fake_quant
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,7 +103,7 @@ def test_plots_write_png(packed, tmp_path):
 
 
 def test_val_curves_plot_one_line_per_run(tmp_path, monkeypatch):
-    from drafter_lib import plots
+    from drafter_lib.common import plots
 
     drawn = []
     real = plots.save_figure
@@ -124,8 +124,8 @@ def test_val_curves_plot_one_line_per_run(tmp_path, monkeypatch):
 def test_compare_runs_reports_curves_and_acceptance(tmp_path):
     import json
 
-    from drafter_lib.io_utils import write_json
-    from drafter_lib.run_compare import compare_runs, main
+    from drafter_lib.common.files import write_json
+    from drafter_lib.study.run_compare import compare_runs, main
 
     for name, final, mal in (("a", 3.0, 1.4), ("b", 2.5, 1.6)):
         run = tmp_path / name

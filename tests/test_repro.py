@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from drafter_lib import verify
-from drafter_lib.layout import REPO_ROOT, SHARED_DATA_DEFAULT
+from drafter_lib.common.layout import REPO_ROOT, SHARED_DATA_DEFAULT
+from drafter_lib.study import verify
 
 
 def run_smoke(runs_dir: Path, name: str) -> Path:
@@ -109,8 +109,9 @@ def test_missing_files_are_named(smoke_a, tmp_path, capsys):
 
 def test_file_corpora_and_model_dirs(tmp_path):
     """A hand-built run: a file corpus found through corpus_dirs, and a model dir verified on its own."""
-    from drafter_lib.data import write_architecture
-    from drafter_lib.model_dir import sha256_file, write_model_dir
+    from drafter_lib.common.files import sha256_file
+    from drafter_lib.data.corpora import write_architecture
+    from drafter_lib.packed.model_dir import write_model_dir
 
     corpus_dir = tmp_path / "shared"
     corpus_dir.mkdir()

@@ -4,8 +4,9 @@ import json
 import pytest
 import torch
 
-from drafter_lib import data as D
-from drafter_lib.self_prompts import (
+from drafter_lib.common.chat import stop_token_ids
+from drafter_lib.data import corpora as D
+from drafter_lib.data.self_prompts import (
     DEFAULT_SAMPLING,
     nucleus_sample,
     sample_hf,
@@ -13,9 +14,8 @@ from drafter_lib.self_prompts import (
     self_prompts,
     user_header,
 )
-from drafter_lib.teacher import stop_token_ids
-from drafter_lib.teacher_backends import NativeBackend
-from drafter_lib.tiny_models import tiny_random_model
+from drafter_lib.decoding.backends import NativeBackend
+from drafter_lib.model.tiny_models import tiny_random_model
 
 SAMPLING = dict(max_new_tokens=24, batch_rows=8, decode_rows=3)
 
@@ -126,7 +126,7 @@ def test_bad_settings_are_clear_errors(tiny):
 
 
 def test_a_data_source_with_provenance(tiny, tmp_path, monkeypatch):
-    from drafter_lib import hf_models
+    from drafter_lib.model import hf_models
 
     monkeypatch.setattr(hf_models, "load_teacher", lambda spec: tiny if spec == "runs/x/tiny" else None)
     src = {"name": "self_prompts", "kind": "self_prompts", "n": 5, "seed": 0, "model": "runs/x/tiny",
@@ -143,7 +143,7 @@ def test_a_data_source_with_provenance(tiny, tmp_path, monkeypatch):
 
 
 def test_the_study_data_stage_samples_from_its_teacher(tmp_path):
-    from drafter_lib import stages
+    from drafter_lib.study import stages
 
     cfg, run = stages.open_run(str(tmp_path / "run"), "smoke", {"data.self_prompts": 6})
     summary, _ = stages.build_prompts(cfg, run)

@@ -32,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from drafter_lib.engine import DraftEngine
+    from drafter_lib.engine.draft_engine import DraftEngine
 
     return DraftEngine.from_dir(model_dir, **({} if ENGINE_DTYPE is None else {"dtype": ENGINE_DTYPE}))
 
@@ -319,8 +319,8 @@ def test_model_dir_threshold_is_only_a_recommendation(model_dir, tmp_path):
 
     from fastapi.testclient import TestClient
 
-    from drafter_lib.engine import DraftEngine
-    from drafter_lib.server_app import Settings, create_app
+    from drafter_lib.engine.draft_engine import DraftEngine
+    from drafter_lib.serve.app import Settings, create_app
 
     tokens, full, c, j = _stoppable(DraftEngine.from_dir(model_dir), range(30, 50), 40)
     d = tmp_path / "m"
@@ -344,7 +344,7 @@ def test_model_dir_threshold_is_only_a_recommendation(model_dir, tmp_path):
 
 @pytest.mark.parametrize("text, expected", [("recommended", "recommended"), ("0.4", 0.4), ("0", 0.0)])
 def test_default_min_confidence_setting(monkeypatch, text, expected):
-    from drafter_lib.server_app import Settings
+    from drafter_lib.serve.app import Settings
 
     monkeypatch.setenv("DEFAULT_MIN_CONFIDENCE", text)
     assert Settings.from_env().default_min_confidence == expected
@@ -352,7 +352,7 @@ def test_default_min_confidence_setting(monkeypatch, text, expected):
 
 @pytest.mark.parametrize("text", ["1.5", "-0.1", "nan", "often"])
 def test_default_min_confidence_setting_rejects(monkeypatch, text):
-    from drafter_lib.server_app import Settings
+    from drafter_lib.serve.app import Settings
 
     monkeypatch.setenv("DEFAULT_MIN_CONFIDENCE", text)
     with pytest.raises(ValueError, match="DEFAULT_MIN_CONFIDENCE must be a number in"):
@@ -379,7 +379,7 @@ def test_engine_is_loaded_and_run_on_one_thread(model_dir, monkeypatch):
 
     from fastapi.testclient import TestClient
 
-    from drafter_lib import server_app
+    from drafter_lib.serve import app as server_app
 
     seen, real_load = {"runs": set()}, server_app.load_engine
 
@@ -404,7 +404,7 @@ def test_engine_is_loaded_and_run_on_one_thread(model_dir, monkeypatch):
 
 INTERRUPTED_LOAD = """
 import os, signal, threading, time
-from drafter_lib import server_app
+from drafter_lib.serve import app as server_app
 server_app.load_engine = lambda settings: time.sleep(60)  # a load that times its kernels for a minute
 threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C a second into it
 server_app.create_app(server_app.Settings(model_dir="unused"))
@@ -467,7 +467,7 @@ def _fake_engine(calls, delay=0.05):
 
 
 def test_micro_batcher_gathers_and_isolates_failures():
-    from drafter_lib.batching import MicroBatcher
+    from drafter_lib.serve.batching import MicroBatcher
 
     async def main():
         calls = []
@@ -496,7 +496,7 @@ def test_micro_batcher_gathers_and_isolates_failures():
 
 
 def test_micro_batcher_passes_per_request_options_in_one_batch():
-    from drafter_lib.batching import MicroBatcher
+    from drafter_lib.serve.batching import MicroBatcher
 
     calls = []
 

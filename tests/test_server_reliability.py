@@ -257,7 +257,7 @@ def test_sigterm_on_serve_sh_exits_0_promptly(model_dir, tmp_path):
 # ------------------------------------------------------------------ the micro-batcher's bounds alone (fake engine)
 
 def test_micro_batcher_queue_bound_timeout_and_stop():
-    from drafter_lib.batching import MicroBatcher, Overloaded
+    from drafter_lib.serve.batching import MicroBatcher, Overloaded
 
     def run_batch(token_lists, k):
         time.sleep(0.3)

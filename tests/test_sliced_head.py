@@ -7,10 +7,11 @@ import torch
 import torch.nn.functional as F
 from test_model import tiny_hf
 
-from drafter_lib import kernels, sliced_head
-from drafter_lib.generate import stream_generate
-from drafter_lib.model import Transformer
-from drafter_lib.sliced_head import SlicedHead, choose_slice, hold_sliced_head
+from drafter_lib.common import measured_choice
+from drafter_lib.decoding import sliced_head
+from drafter_lib.decoding.generate import stream_generate
+from drafter_lib.decoding.sliced_head import SlicedHead, choose_slice, hold_sliced_head
+from drafter_lib.model.transformer import Transformer
 
 
 def test_slices_cover_the_whole_product():
@@ -48,7 +49,7 @@ def test_a_slice_size_is_held_only_where_exact_and_faster(monkeypatch):
     assert choice["path"] == "slices:2048"
     # cached per machine: a second choice times nothing
     assert choose_slice(w, batch_rows=16)["path"] == "slices:2048" and len(timed) == 1
-    entry = json.loads(kernels.cache_file().read_text())[kernels.machine_key()]
+    entry = json.loads(measured_choice.cache_file().read_text())[measured_choice.machine_key()]
     assert any(k.startswith("head 8192x64") for k in entry)
     # within MIN_GAIN of the whole product: keep the whole product
     fake.update({"slices:1024": 0.97, "slices:2048": 0.98, "slices:4096": 0.99})

@@ -7,8 +7,9 @@ import pytest
 import torch
 from test_teacher import records, tiny_model, tiny_tokenizer
 
-from drafter_lib import soft_labels, teacher
-from drafter_lib.train_loss import topk_divergence
+from drafter_lib.teacher import soft_labels
+from drafter_lib.teacher import targets as teacher
+from drafter_lib.train.loss import topk_divergence
 
 K = 6
 V_LM = 50  # the tiny model's vocabulary in the LossModule test
@@ -122,7 +123,7 @@ def test_merge_shards_with_soft_labels(tmp_path):
 
 
 def test_verify_checks_soft_parts(tmp_path):
-    from drafter_lib.verify import verify_run
+    from drafter_lib.study.verify import verify_run
 
     model, tok = tiny_model(), tiny_tokenizer()
     run = tmp_path / "run"
@@ -205,7 +206,7 @@ def test_a_part_is_byte_identical_across_processes(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, torch; from drafter_lib.soft_labels import SoftRow, write_part, read_part; "
+    code = ("import sys, torch; from drafter_lib.teacher.soft_labels import SoftRow, write_part, read_part; "
             "rows = [SoftRow(f'r{i}', i, torch.arange(8, dtype=torch.int32).view(2, 4) + i, "
             "torch.full((2, 4), -1.5 - i, dtype=torch.float16)) for i in range(3)]; "
             "write_part(sys.argv[1], rows, 4); assert [r.id for r in read_part(sys.argv[1])] == ['r0', 'r1', 'r2']")
@@ -240,8 +241,8 @@ def test_loss_module_equals_the_losses_written_out(loss):
     reports, against the same sums computed position by position from the model's full logits."""
     from test_model import tiny_hf
 
-    from drafter_lib.train_data import IGNORE
-    from drafter_lib.train_loss import LossModule
+    from drafter_lib.train.examples import IGNORE
+    from drafter_lib.train.loss import LossModule
 
     lm = tiny_hf("llama", vocab_size=V_LM)
     g = torch.Generator().manual_seed(3)

@@ -1,32 +1,32 @@
-"""The one verification rule, the one speculative loop, and its two targets (drafter_lib.speculative)."""
+"""The one verification rule, the one speculative loop, and its two targets (drafter_lib.decoding.speculative)."""
 import random
 
 import pytest
 import torch
 from server_helpers import tiny_hf_model
 
-from drafter_lib.model import Transformer
-from drafter_lib.speculative import (
+from drafter_lib.decoding.speculative import (
     FnDrafter,
     HFTarget,
     NativeTarget,
+    accept_draft,
     accepted_length,
     greedy_decode,
-    greedy_verify,
     mean_acceptance_length,
     speculative_generate,
 )
+from drafter_lib.model.transformer import Transformer
 
 VOCAB = 512
 
 
 def test_greedy_verify():
-    assert greedy_verify([5, 6, 7], [5, 6, 7, 8]) == (3, 8)
-    assert greedy_verify([5, 6, 7], [5, 9, 7, 8]) == (1, 9)
-    assert greedy_verify([5, 6, 7], [4, 6, 7, 8]) == (0, 4)
-    assert greedy_verify([], [3]) == (0, 3)
+    assert accept_draft([5, 6, 7], [5, 6, 7, 8]) == (3, 8)
+    assert accept_draft([5, 6, 7], [5, 9, 7, 8]) == (1, 9)
+    assert accept_draft([5, 6, 7], [4, 6, 7, 8]) == (0, 4)
+    assert accept_draft([], [3]) == (0, 3)
     with pytest.raises(ValueError, match="target choices"):
-        greedy_verify([5, 6], [5, 6])
+        accept_draft([5, 6], [5, 6])
     # the simulation's reference may end before the draft does
     assert accepted_length([1, 2, 3], [1, 2]) == 2 and accepted_length([], [1]) == 0
 

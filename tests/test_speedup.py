@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
-from drafter_lib import speedup as S
-from drafter_lib.acceptance import simulate
-from drafter_lib.engine import DEFAULT_DTYPE
-from drafter_lib.layer_costs import CostSettings
-from drafter_lib.speculative import FnDrafter
-from drafter_lib.weight_formats import Int8Head
+from drafter_lib.decoding.speculative import FnDrafter
+from drafter_lib.engine.draft_engine import DEFAULT_DTYPE
+from drafter_lib.engine.weight_formats import Int8Head
+from drafter_lib.evaluation import speedup as S
+from drafter_lib.evaluation.acceptance import simulate
+from drafter_lib.study.ablations.layer_costs import CostSettings
 
 
 def test_mal_at_k_from_a_known_histogram():

@@ -9,9 +9,10 @@ import uuid
 import nbformat
 import pytest
 
-from drafter_lib import config as C
-from drafter_lib import pack, study
-from drafter_lib.layout import NOTEBOOKS_DIR, REPO_ROOT, RunLayout
+from drafter_lib.common.layout import NOTEBOOKS_DIR, REPO_ROOT, RunLayout
+from drafter_lib.study import config as C
+from drafter_lib.study import pack
+from drafter_lib.study import run as study
 
 
 def test_presets_and_overrides():
@@ -84,8 +85,8 @@ def test_smoke_metrics_make_sense(smoke_run):
 
 
 def test_smoke_artifacts(smoke_run, tmp_path):
-    from drafter_lib.engine import DraftEngine
-    from drafter_lib.model_dir import read_model_dir
+    from drafter_lib.engine.draft_engine import DraftEngine
+    from drafter_lib.packed.model_dir import read_model_dir
 
     run = RunLayout.of(smoke_run["run_dir"])
     for png in ("prompt_lengths.png", "continuation_lengths.png", "losses.png", "weight_error.png",
@@ -101,13 +102,19 @@ def test_smoke_artifacts(smoke_run, tmp_path):
     assert packed.config["num_hidden_layers"] == 2  # smoke keeps even:2 of the tiny teacher's 4 layers
     eng = DraftEngine.from_dir(run.model_dir)
     row = json.loads(run.targets.read_text().splitlines()[0])
-    assert eng.min_confidence == C.PackConfig().min_confidence == 0.4  # the pack's default threshold, shipped
+    # the pack records the threshold it recommends; a request without one still gets k tokens
+    assert eng.info()["recommended_min_confidence"] == C.PackConfig().min_confidence == 0.4
     assert len(eng.draft(row["prompt_ids"], 5, min_confidence=0)) == 5
 
     # publishing: the pack to a model dir, the report to results/<name>/ - neither holds this machine's paths
     dest = pack.publish(run.model_dir, tmp_path / "model")
     assert read_model_dir(dest).manifest_sha256 == packed.manifest_sha256
-    res = study.publish_results(run.root, tmp_path / "results")
+    provenance = tmp_path / "architecture.json"
+    res = study.publish_results(run.root, tmp_path / "results", shipped_dir=dest, provenance=provenance)
+    assert provenance.read_bytes() == run.architecture.read_bytes()  # the run made the shipped pack: its record
+    other = tmp_path / "other_provenance.json"
+    study.publish_results(run.root, tmp_path / "results", shipped_dir=tmp_path / "no_such_model", provenance=other)
+    assert not other.exists()  # a run whose pack is not the shipped one leaves the shipped pack's record alone
     for rel in ("metrics.json", "architecture.json", "study_config.json", "pack_report.json",
                 "notebooks/05_eval.ipynb", "plots/losses.png"):
         assert (res / rel).is_file(), rel

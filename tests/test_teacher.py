@@ -7,9 +7,9 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from drafter_lib import teacher
-from drafter_lib.layout import portable_value
-from drafter_lib.model_dir import sha256_file
+from drafter_lib.common.files import sha256_file
+from drafter_lib.common.layout import portable_value
+from drafter_lib.teacher import targets as teacher
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,?!\n"
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -68,8 +68,8 @@ def test_encode_chat_and_stop_ids():
 
 @pytest.mark.parametrize("backend", [
     "hf",
-    pytest.param("native", marks=pytest.mark.skipif(importlib.util.find_spec("drafter_lib.generate") is None,
-                                                   reason="drafter_lib.generate not written yet")),
+    pytest.param("native", marks=pytest.mark.skipif(importlib.util.find_spec("drafter_lib.decoding.generate") is None,
+                                                   reason="drafter_lib.decoding.generate not written yet")),
 ])
 def test_rows_equal_hf_greedy(tmp_path, backend):
     model, tok = tiny_model(), tiny_tokenizer()
@@ -160,7 +160,7 @@ def test_shards_partition_and_merge(tmp_path):
 
 def test_meta_records_no_machine_path(tmp_path):
     """A teacher loaded from a local dir is recorded by a repository-relative id, never this machine's path."""
-    from drafter_lib.layout import REPO_ROOT
+    from drafter_lib.common.layout import REPO_ROOT
 
     model, tok = tiny_model(), tiny_tokenizer()
     model.config._name_or_path = str(REPO_ROOT / "runs" / "x" / "tiny_llama")  # what from_pretrained(dir) sets

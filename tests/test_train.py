@@ -12,9 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from drafter_lib import checkpoint, train, train_data, train_loss
-from drafter_lib.train import TrainConfig
-from drafter_lib.train_data import IGNORE
+from drafter_lib.train import checkpoint
+from drafter_lib.train import examples as train_data
+from drafter_lib.train import loss as train_loss
+from drafter_lib.train import trainer as train
+from drafter_lib.train.examples import IGNORE
+from drafter_lib.train.trainer import TrainConfig
 
 INT8_ROWS = {"bits": 8, "group_size": None, "scale_dtype": "float16"}
 QUANT = {"default": {"bits": 4, "group_size": 32, "scale_dtype": "float16"},
@@ -208,7 +211,7 @@ def soft_workdir(workdir, tmp_path_factory):
     with the unpruned tiny base as the teacher."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from drafter_lib import teacher
+    from drafter_lib.teacher import targets as teacher
 
     d = tmp_path_factory.mktemp("soft")
     model = AutoModelForCausalLM.from_pretrained(workdir / "base", dtype=torch.float32).eval()
@@ -222,8 +225,8 @@ def soft_workdir(workdir, tmp_path_factory):
 
 
 def test_soft_examples_and_collate(soft_workdir):
-    from drafter_lib.soft_labels import soft_dir_for
-    from drafter_lib.train_data import load_examples
+    from drafter_lib.teacher.soft_labels import soft_dir_for
+    from drafter_lib.train.examples import load_examples
 
     path = soft_workdir / "targets.jsonl"
     exs = load_examples(path, 40, soft_dir_for(path))
@@ -263,7 +266,7 @@ def test_soft_loss_needs_soft_labels(workdir, soft_workdir, tmp_path):
     with pytest.raises(ValueError, match="loss must be"):
         train.run_training(cfg_for(workdir, tmp_path / "b", loss="kl"))
     # a loss only on continuation positions trains from a soft dir given explicitly
-    from drafter_lib.soft_labels import soft_dir_for
+    from drafter_lib.teacher.soft_labels import soft_dir_for
 
     res = train.run_training(cfg_for(workdir, tmp_path / "c", train_path=str(soft_workdir / "targets.jsonl"),
                                      soft_labels=str(soft_dir_for(soft_workdir / "targets.jsonl")), loss="tv",
@@ -272,7 +275,7 @@ def test_soft_loss_needs_soft_labels(workdir, soft_workdir, tmp_path):
     # loss on prompt positions needs them stored (teacher soft_prompt=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from drafter_lib import teacher
+    from drafter_lib.teacher import targets as teacher
 
     model = AutoModelForCausalLM.from_pretrained(workdir / "base", dtype=torch.float32).eval()
     recs = [{"id": f"n{i}", "messages": [{"role": "user", "content": f"q {i}"}]} for i in range(6)]
@@ -285,8 +288,8 @@ def test_soft_loss_needs_soft_labels(workdir, soft_workdir, tmp_path):
 
 def test_loss_ablation_rows(workdir, soft_workdir, tmp_path):
     """The ablation helper: short runs per loss variant -> held-out acceptance rows; a rerun reuses them."""
-    from drafter_lib.ablation import loss_ablation, variant_name
-    from drafter_lib.teacher import read_rows
+    from drafter_lib.common.files import read_rows
+    from drafter_lib.study.ablations.loss_ablation import loss_ablation, variant_name
 
     rows = read_rows(soft_workdir / "targets.jsonl")[:4]
     prompts, refs = [r["prompt_ids"] for r in rows], [r["continuation_ids"] for r in rows]
@@ -303,9 +306,9 @@ def test_loss_ablation_rows(workdir, soft_workdir, tmp_path):
 def test_reduced_draft_vocab_trains_packs_and_drafts_full_ids(workdir, tmp_path):
     """draft_vocab_size: the head covers the most frequent continuation tokens (stop tokens always), training
     learns the repetitive continuations through it, and the packed drafter drafts full-vocabulary ids."""
-    from drafter_lib import draft_vocab as DV
-    from drafter_lib.engine import DraftEngine
-    from drafter_lib.pack import pack_checkpoint
+    from drafter_lib.engine.draft_engine import DraftEngine
+    from drafter_lib.model import draft_vocab as DV
+    from drafter_lib.study.pack import pack_checkpoint
 
     cfg = cfg_for(workdir, tmp_path / "dv", draft_vocab_size=24, steps=12, qat_steps=0, lr=1e-2)
     res = train.run_training(cfg)
@@ -336,7 +339,7 @@ def test_soft_loss_over_a_reduced_head(workdir, soft_workdir, tmp_path, loss):
 
 @pytest.mark.parametrize("kind", ["kl_topk", "tv"])
 def test_topk_divergence_moves_ids_outside_the_head_into_the_tail(kind):
-    from drafter_lib.train_loss import topk_divergence
+    from drafter_lib.train.loss import topk_divergence
 
     torch.manual_seed(0)
     x = torch.randn(3, 7, dtype=torch.float64)

@@ -1,0 +1,1 @@
+"""Greedy generation and speculative decoding on the hand-written decoder and on transformers models."""

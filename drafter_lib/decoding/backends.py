@@ -1,0 +1,131 @@
+"""The teacher stage's generation backends. Each streams `Finished` rows (`drafter_lib.decoding.generate`): new tokens
+cut at the first stop token, and with top_k > 0 the teacher's top-K log-probabilities at each stored position.
+
+  "native": the hand-written decoder (`drafter_lib.model.transformer`) with continuous batching
+  (`generate.stream_generate`),
+            fp32 by default - the fast path on CPU. Waiting prompts of similar length share a prefill, and the
+            head runs in vocabulary slices where this machine gives the same bits faster (`sliced_head`).
+            `dtype="bfloat16"`/`"float16"` hold the weights in that precision (activations stay fp32); only
+            worth it where the CPU has fast kernels for it, and only where its tokens equal the fp32 ones
+            (bench/teacher.py measures both).
+  "hf":     `transformers` generate with left padding, one static batch at a time - for architectures/devices
+            the native path lacks (GPU).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from drafter_lib.common.chat import cut_at_stop
+from drafter_lib.decoding.generate import Finished, topk_logprobs
+
+__all__ = ["HFBackend", "NativeBackend", "make_backend", "NATIVE_DTYPES"]
+
+NATIVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class HFBackend:
+    """transformers generate, greedy, left-padded static batches."""
+
+    name = "hf"
+
+    def __init__(self, model, pad_id: int):
+        self.model = model.eval()
+        self.pad_id = pad_id
+        self.device = next(model.parameters()).device
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
+        return [f.tokens for f in self.stream(prompts, max_new_tokens, stop_ids, batch_size=len(prompts))]
+
+    @torch.inference_mode()
+    def stream(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], batch_size: int,
+               top_k: int = 0, prompt_top_k: bool = False) -> Iterator[Finished]:
+        stop = set(stop_ids)
+        for b0 in range(0, len(prompts), batch_size):
+            batch = prompts[b0:b0 + batch_size]
+            T = max(len(p) for p in batch)
+            ids = torch.full((len(batch), T), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), T), dtype=torch.long)
+            for i, p in enumerate(batch):
+                ids[i, T - len(p):] = torch.tensor(p)
+                mask[i, T - len(p):] = 1
+            out = self.model.generate(
+                input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new_tokens,
+                do_sample=False, eos_token_id=stop_ids, pad_token_id=self.pad_id, top_p=None, top_k=None,
+                temperature=None, output_logits=top_k > 0, return_dict_in_generate=True,
+            )
+            for i, row in enumerate(out.sequences[:, T:].tolist()):
+                toks = cut_at_stop(row, stop, max_new_tokens)
+                if not top_k:
+                    yield Finished(b0 + i, toks)
+                    continue
+                # raw logits of each generated position (before any logits processor; greedy has none)
+                sid, slp = topk_logprobs(torch.stack([out.logits[j][i] for j in range(len(toks))]), top_k)
+                start = len(batch[i]) - 1
+                if prompt_top_k and len(batch[i]) > 1:
+                    full = self.model(input_ids=torch.tensor([batch[i]], device=self.device)).logits[0, :-1]
+                    pid, plp = topk_logprobs(full, top_k)
+                    sid, slp, start = torch.cat([pid, sid]), torch.cat([plp, slp]), 0
+                elif prompt_top_k:
+                    start = 0
+                yield Finished(b0 + i, toks, start, sid.cpu(), slp.float().cpu())
+
+
+class NativeBackend:
+    """The project's hand-written decoder with the teacher's weights, continuous batching (fast greedy on CPU)."""
+
+    name = "native"
+
+    def __init__(self, hf_model, dtype: str = "float32", schedule: str = "continuous", prefill_group: int = 8,
+                 sliced_head: bool = True, row_blocks: int = 16):
+        """prefill_group: waiting prompts one prefill may take (`generate.stream_generate`; 1: one by one).
+        sliced_head: compute the head in vocabulary slices where this machine gives the same bits faster
+        (`sliced_head.hold_sliced_head`, measured once per machine).
+        row_blocks: decode attention per block of this many rows kept sorted by position (0: one block)."""
+        from drafter_lib.decoding.sliced_head import hold_sliced_head
+        from drafter_lib.model.transformer import Transformer
+
+        if dtype not in NATIVE_DTYPES:
+            raise ValueError(f"native dtype must be one of {sorted(NATIVE_DTYPES)}, got {dtype!r}")
+        if schedule not in ("continuous", "static"):
+            raise ValueError(f"schedule must be 'continuous' or 'static', got {schedule!r}")
+        self.model = Transformer.from_hf_model(hf_model).to(NATIVE_DTYPES[dtype]).eval()
+        self.dtype, self.schedule, self.prefill_group, self.row_blocks = dtype, schedule, prefill_group, row_blocks
+        if sliced_head:
+            hold_sliced_head(self.model)
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
+        outs: list[list[int]] = [[] for _ in prompts]
+        for f in self.stream(prompts, max_new_tokens, stop_ids, batch_size=len(prompts)):
+            outs[f.index] = f.tokens
+        return outs
+
+    def stream(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], batch_size: int,
+               top_k: int = 0, prompt_top_k: bool = False) -> Iterator[Finished]:
+        from drafter_lib.decoding.generate import stream_generate
+
+        yield from stream_generate(self.model, prompts, max_new_tokens, stop_ids, batch_size, topk=top_k,
+                                   prompt_topk=prompt_top_k, refill=self.schedule == "continuous",
+                                   prefill_group=self.prefill_group, row_blocks=self.row_blocks)
+
+
+def make_backend(name: str, model, tokenizer, dtype: str = "float32", schedule: str = "continuous",
+                 **native_options):
+    """"native", "hf" or "auto" (native on CPU for Llama/Qwen3, else hf). dtype/schedule and `native_options`
+    (`NativeBackend`'s prefill_group, sliced_head, row_blocks): native only."""
+    if name == "auto":
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        name = "native" if on_cpu and model.config.model_type in ("llama", "qwen3") else "hf"
+    if name == "native":
+        return NativeBackend(model, dtype=dtype, schedule=schedule, **native_options)
+    if name == "hf":
+        if dtype != "float32" or schedule != "continuous" or native_options:
+            raise ValueError("dtype, schedule and native_options are options of the native backend")
+        from drafter_lib.common.chat import stop_token_ids
+
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[0]
+        return HFBackend(model, pad)
+    raise ValueError(f"unknown backend {name!r} (expected 'native', 'hf' or 'auto')")

@@ -1,0 +1,316 @@
+"""Greedy speculative decoding: the one verification rule, the one loop, the one result type.
+
+A drafter proposes up to k tokens; the target scores them in one forward pass and keeps the longest draft prefix
+equal to its own greedy choices, then adds one token of its own (the bonus token). The output is therefore exactly
+the target's plain greedy decoding, whatever the drafter proposes.
+
+Mean acceptance length (MAL) is defined once, here, as vLLM reports it: tokens per target step, the bonus token
+included, so plain decoding is 1.0. Every target forward pass is a step, the first one (which also reads the
+prompt) included: the first draft is verified together with the prompt.
+
+Targets are causal LMs behind a small interface (`Target`): `HFTarget` wraps a transformers model, `NativeTarget`
+the hand-written decoder of `model.py`. Drafters are anything with `draft(tokens, k) -> list[int]`: a
+`DraftEngine`, the HTTP `client.SpeculativeClient`, a copy policy, or a function wrapped in `FnDrafter`.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from drafter_lib.common.checks import check_token_ids
+from drafter_lib.decoding.target_matmul import hold_linears
+from drafter_lib.model.draft_vocab import full_vocab_logits
+from drafter_lib.model.transformer import KVCache, Transformer
+
+# ---------------------------------------------------------------------------------------------------- the rule
+
+
+def accepted_length(draft: Sequence[int], target_choices: Sequence[int]) -> int:
+    """The greedy verification rule: how many draft tokens are accepted, i.e. the length of the longest draft
+    prefix equal to the target's greedy choices (`target_choices[i]` follows context + draft[:i]). A shorter
+    `target_choices` (the simulation's reference ending) bounds what can be accepted."""
+    n = 0
+    for d, t in zip(draft, target_choices):
+        if int(d) != int(t):
+            break
+        n += 1
+    return n
+
+
+def accept_draft(draft: Sequence[int], target_choices: Sequence[int]) -> tuple[int, int]:
+    """(accepted draft tokens n, bonus token target_choices[n]); needs len(draft) + 1 target choices."""
+    if len(target_choices) < len(draft) + 1:
+        raise ValueError(f"{len(draft)} draft tokens need {len(draft) + 1} target choices, got {len(target_choices)}")
+    n = accepted_length(draft, target_choices)
+    return n, int(target_choices[n])
+
+
+def mean_acceptance_length(tokens: int, target_steps: int) -> float:
+    """Tokens per target step, bonus token included (plain decoding = 1.0); NaN when no step ran."""
+    return tokens / target_steps if target_steps else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------------- drafters
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Anything that proposes up to k next tokens for a token context (may return fewer, even none)."""
+
+    def draft(self, tokens: list[int], k: int) -> list[int]: ...
+
+
+class FnDrafter:
+    """Wraps a plain function `fn(tokens, k) -> list[int]` (and optionally a batched one) as a Drafter."""
+
+    def __init__(self, fn: Callable[[list[int], int], list[int]],
+                 batch_fn: Callable[[list[list[int]], int], list[list[int]]] | None = None):
+        self.fn, self.batch_fn = fn, batch_fn
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        return list(self.fn(tokens, k))
+
+    def draft_batch(self, contexts: list[list[int]], k: int) -> list[list[int]]:
+        if self.batch_fn is not None:
+            return [list(d) for d in self.batch_fn(contexts, k)]
+        return [self.draft(c, k) for c in contexts]
+
+
+# ---------------------------------------------------------------------------------------------------- targets
+
+
+@runtime_checkable
+class Target(Protocol):
+    """A causal LM with its own KV cache of the sequence so far (`cached_len` tokens)."""
+
+    vocab_size: int
+    cached_len: int
+
+    def reset(self) -> None:
+        """Empty the cache (a new sequence starts)."""
+
+    def score(self, new_tokens: Sequence[int], keep: int | None = None) -> torch.Tensor:
+        """Append `new_tokens` to the cache; float logits [keep, V] of the last `keep` of them (all if None).
+        Row j predicts the token after new_tokens[len(new_tokens) - keep + j]."""
+
+    def rollback(self, n: int) -> None:
+        """Keep only the first n cached tokens (drops the keys/values of rejected draft tokens)."""
+
+
+class HFTarget:
+    """A transformers causal LM with a `DynamicCache`.
+
+    `gqa_kernel` (default: on for a CPU model): transformers' sdpa attention, given a mask (any step of more than
+    one query token after a cache, i.e. every verify step), copies each layer's whole K/V cache `num_key_value_groups`
+    times (`repeat_kv`) because CUDA's fused kernels take no mask with grouped heads; the CPU kernel does, so the
+    step runs with transformers' own switch for it (`TRANSFORMERS_SDPA_FORCE_GQA=1`, set only around this target's
+    forward passes). At 400 tokens of context a 3-token step of SmolLM2-135M cost 1.27 one-token steps with the
+    copies and 1.17 without; one-token steps (plain decoding) lose nothing. Same attention math either way.
+
+    `linears` (default None: measured on a CPU fp32 model, `target_linears.py`): "packed" runs the linears through
+    oneDNN with the weights packed once, which keeps a few-token verify step near a one-token step's cost where
+    MKL's GEMM re-packs each weight per call; "stock" leaves them to torch. `self.linears` says what was held.
+    """
+
+    def __init__(self, model, gqa_kernel: bool | None = None, linears: str | None = None):
+        self.model = model
+        self.vocab_size = int(model.config.vocab_size)
+        self.device = next(model.parameters()).device
+        self.gqa_kernel = self.device.type == "cpu" if gqa_kernel is None else bool(gqa_kernel)
+        params = inspect.signature(model.forward).parameters
+        # transformers 5 renamed past_key_values -> cache; logits_to_keep spares the [prompt, V] logits
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keep_kw = "logits_to_keep" if "logits_to_keep" in params else None
+        self.reset()
+        self.linears = hold_linears(self, model, linears)  # sets self.packed
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+
+    @property
+    def cached_len(self) -> int:
+        return self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def score(self, new_tokens: Sequence[int], keep: int | None = None) -> torch.Tensor:
+        kw = {self._cache_kw: self.cache}
+        if keep and self._keep_kw:
+            kw[self._keep_kw] = keep
+        ids = torch.tensor([list(new_tokens)], dtype=torch.long, device=self.device)
+        with _env(_FORCE_GQA, "1" if self.gqa_kernel else None), _installed(self.packed):
+            logits = self.model(input_ids=ids, use_cache=True, **kw).logits[0]
+        logits = (logits[-keep:] if keep else logits).float()
+        # a drafter with a reduced draft-vocabulary head (greedy references of it) still speaks full-vocabulary ids
+        return full_vocab_logits(logits, getattr(self.model, "draft_vocab_ids", None), self.vocab_size)
+
+    def rollback(self, n: int) -> None:
+        remove = self.cached_len - n
+        if remove < 0:
+            raise ValueError(f"cannot roll back to {n} tokens: only {self.cached_len} cached")
+        if remove:
+            self.cache.crop(-remove)  # negative = how many to remove (transformers 4 and 5 agree on this form)
+
+
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+def _installed(packed):
+    return contextlib.nullcontext() if packed is None else packed.installed()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """`name` set to `value` (None: left as the user set it) inside the block, restored after."""
+    if value is None:
+        yield
+        return
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+class NativeTarget:
+    """The hand-written `Transformer` with a one-row `KVCache`. Rolling back only moves the length: slots past it
+    are overwritten before they are read, because attention is causal by position."""
+
+    def __init__(self, model: Transformer, cache: KVCache | None = None, cached_len: int = 0, chunk: int = 512,
+                 linears: str | None = None):
+        self.model = model.eval()
+        self.vocab_size = int(model.config.vocab_size)
+        self.chunk = chunk  # bounds the [T, L] attention scratch of a long prompt
+        self.cache, self.cached_len = None, 0  # timing the linears (as HFTarget's) runs its own sequence first
+        self.linears = hold_linears(self, model, linears)
+        self.cache, self.cached_len = cache, cached_len
+
+    def reset(self) -> None:
+        self.cached_len = 0
+
+    @torch.inference_mode()
+    def score(self, new_tokens: Sequence[int], keep: int | None = None) -> torch.Tensor:
+        start, total = self.cached_len, len(new_tokens)
+        end = start + total
+        keep = total if keep is None else min(keep, total)
+        if self.cache is None:
+            self.cache = self.model.new_cache(1, max(end, 256))
+        elif end > self.cache.capacity:
+            self.cache.grow(max(end, 2 * self.cache.capacity))  # amortise the copy over many steps
+        ids = torch.tensor(list(new_tokens), dtype=torch.long)[None]
+        kept = []
+        with _installed(self.packed):
+            for s in range(0, total, self.chunk):
+                e = min(s + self.chunk, total)
+                h = self.model.hidden(ids[:, s:e], torch.arange(start + s, start + e)[None], self.cache)
+                lo = max(total - keep - s, 0)
+                if lo < e - s:
+                    kept.append(h[0, lo:])
+            logits = self.model.lm_head(torch.cat(kept)).float()
+        self.cached_len = end
+        self.cache.lengths[0] = end
+        return full_vocab_logits(logits, self.model.draft_vocab_ids, self.vocab_size)
+
+    def rollback(self, n: int) -> None:
+        if not 0 <= n <= self.cached_len:
+            raise ValueError(f"cannot roll back to {n} tokens: only {self.cached_len} cached")
+        self.cached_len = n
+        if self.cache is not None:
+            self.cache.lengths[0] = n
+
+
+def as_target(model) -> Target:
+    """A Target as is; a hand-written `Transformer` -> NativeTarget; anything else is taken as a transformers LM."""
+    if isinstance(model, Transformer):
+        return NativeTarget(model)
+    if all(hasattr(model, a) for a in ("score", "rollback", "reset")):
+        return model
+    return HFTarget(model)
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class SpecResult:
+    tokens: list[int]  # generated tokens only (prompt excluded); a stop token that ended the run is included
+    accepted_lengths: list[int] = field(default_factory=list)  # draft tokens accepted, per target step
+    draft_lengths: list[int] = field(default_factory=list)  # draft tokens proposed, per target step
+    seconds: float = 0.0
+    draft_seconds: float = 0.0  # of `seconds`, spent in the drafter
+
+    @property
+    def steps(self) -> int:
+        """Target forward passes (the first one, over prompt + first draft, included)."""
+        return len(self.accepted_lengths)
+
+    @property
+    def accepted(self) -> int:
+        return sum(self.accepted_lengths)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        # Counts tokens actually emitted: a last step cut short by a stop token or max_new_tokens counts what it kept.
+        return mean_acceptance_length(len(self.tokens), self.steps)
+
+
+def speculative_generate(target, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter | None = None,
+                         k: int = 16, stop_ids: Iterable[int] = ()) -> SpecResult:
+    """Greedy decoding of `target` (a Target, transformers LM or `Transformer`), verifying up to k drafted tokens per
+    target forward pass. drafter=None is plain greedy decoding (one token per step), the baseline for speedup
+    and losslessness. Stops after a token in `stop_ids` or after `max_new_tokens` tokens.
+
+    Each step feeds the target the tokens not yet in its cache (the prompt, then the previous bonus token) plus
+    the draft, then rolls its cache back to the accepted tokens; the bonus token enters with the next step.
+    """
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    target = as_target(target)
+    vocab = target.vocab_size
+    seq = check_token_ids(list(prompt), vocab, "prompt")
+    stop = {int(s) for s in stop_ids}
+    out = SpecResult(tokens=[])
+    t0 = time.perf_counter()
+    target.reset()
+    while len(out.tokens) < max_new_tokens:
+        # No point drafting past the end: at most (remaining - 1) drafts + 1 bonus are still needed.
+        n_draft = min(k, max_new_tokens - len(out.tokens) - 1) if drafter is not None else 0
+        draft: list[int] = []
+        if n_draft > 0:
+            td = time.perf_counter()
+            draft = list(drafter.draft(list(seq), n_draft))[:n_draft]
+            out.draft_seconds += time.perf_counter() - td
+            if draft:
+                draft = check_token_ids(draft, vocab, "draft")
+        logits = target.score(seq[target.cached_len:] + draft, keep=len(draft) + 1)
+        n, bonus = accept_draft(draft, logits.argmax(-1).tolist())
+        target.rollback(len(seq) + n)
+        out.accepted_lengths.append(n)
+        out.draft_lengths.append(len(draft))
+        for t in draft[:n] + [bonus]:
+            seq.append(t)
+            out.tokens.append(t)
+            if t in stop or len(out.tokens) >= max_new_tokens:
+                out.seconds = time.perf_counter() - t0
+                return out
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def greedy_decode(target, prompt: Sequence[int], max_new_tokens: int, stop_ids: Iterable[int] = ()) -> list[int]:
+    """The target's plain greedy continuation (new tokens only), through the same loop without a drafter."""
+    return speculative_generate(target, prompt, max_new_tokens, None, stop_ids=stop_ids).tokens

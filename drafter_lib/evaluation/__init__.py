@@ -1,0 +1,1 @@
+"""Acceptance under greedy verification against baselines, and expected/measured speed-up."""

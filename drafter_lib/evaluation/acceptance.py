@@ -1,0 +1,186 @@
+"""Acceptance statistics and the greedy-verification simulation.
+
+The target's greedy continuation of each held-out prompt (its reference) is computed once; at position i the
+drafter drafts k tokens from prompt + ref[:i], the accepted length follows the one greedy rule
+(`speculative.accepted_length` against ref[i:i+k]), the target adds one token, i += accepted + 1. This is exactly
+what real verification would do (the reference *is* the target's greedy output) but costs no target forward per
+step, so many drafters can be compared on the same references. Reported as vLLM does: mean acceptance length
+(tokens per target step, bonus token included: plain decoding = 1.0), acceptance rate per draft position,
+histogram of accepted lengths; overall and per category.
+
+With grow=True a step drafts 2 tokens first and drafts again with 4, 8, ... k only while every drafted token so
+far was accepted. That gives the same accepted length as one k-token draft for any drafter whose j-token draft is
+the first j tokens of its k-token draft (greedy model drafting, the copy prior and n-gram lookup all are; the
+engine's drafts do not depend on cache state or batch), at a fraction of the drafting cost when acceptance is low.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+from drafter_lib.decoding.speculative import accepted_length, mean_acceptance_length
+
+
+@dataclass
+class AcceptanceStats:
+    """Counts for greedy verification with k drafted tokens per target step."""
+
+    k: int
+    steps: int = 0  # target forward passes
+    accepted: int = 0  # drafted tokens accepted, summed over steps
+    hist: list[int] = field(default_factory=list)  # hist[a] = steps that accepted exactly a tokens
+    pos_hits: list[int] = field(default_factory=list)  # steps whose draft was accepted past position j
+    pos_trials: list[int] = field(default_factory=list)  # steps where position j could be verified
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"k must be >= 1, got {self.k}")
+        self.hist = self.hist or [0] * (self.k + 1)
+        self.pos_hits = self.pos_hits or [0] * self.k
+        self.pos_trials = self.pos_trials or [0] * self.k
+
+    def add(self, accepted: int, verifiable: int) -> None:
+        """One target step: `accepted` drafted tokens matched; `verifiable` positions existed in the reference."""
+        self.steps += 1
+        self.accepted += accepted
+        self.hist[accepted] += 1
+        for j in range(min(verifiable, self.k)):
+            self.pos_trials[j] += 1
+            self.pos_hits[j] += int(accepted > j)
+
+    def merge(self, other: AcceptanceStats) -> None:
+        if other.k != self.k:
+            raise ValueError(f"cannot merge stats for k={other.k} into k={self.k}")
+        self.steps += other.steps
+        self.accepted += other.accepted
+        for name in ("hist", "pos_hits", "pos_trials"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            for j, v in enumerate(theirs):
+                mine[j] += v
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        # Every simulated step emits its accepted drafts plus the target's bonus token.
+        return mean_acceptance_length(self.accepted + self.steps, self.steps)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        # Unconditional rate, as vLLM reports it: P(draft position j accepted) over steps where j was verifiable.
+        return [h / t if t else float("nan") for h, t in zip(self.pos_hits, self.pos_trials)]
+
+    def to_dict(self) -> dict:
+        return {
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "per_position_acceptance": self.per_position_acceptance,
+            "accepted_length_hist": list(self.hist),
+            "steps": self.steps,
+            "accepted_tokens": self.accepted,
+            "k": self.k,
+        }
+
+
+@dataclass
+class SimulationResult:
+    overall: AcceptanceStats
+    per_category: dict[str, AcceptanceStats]
+    seconds: float = 0.0
+    drafted_tokens: int = 0  # tokens the drafter was asked for (the simulation's cost)
+
+    def to_dict(self) -> dict:
+        d = self.overall.to_dict()
+        d["per_category"] = {c: s.to_dict() for c, s in self.per_category.items()}
+        d["seconds"] = self.seconds
+        d["drafted_tokens"] = self.drafted_tokens
+        return d
+
+
+def draft_many(drafter, contexts: list[list[int]], k: int) -> list[list[int]]:
+    """Drafts for several contexts: engines batch decode steps across requests (`draft_batch`), plain drafters go
+    one by one. Each draft is cut to k tokens."""
+    if hasattr(drafter, "draft_batch"):
+        out = drafter.draft_batch(contexts, k)
+    else:
+        out = [drafter.draft(c, k) for c in contexts]
+    return [list(d)[:k] for d in out]
+
+
+def draft_sizes(k: int, grow: bool) -> list[int]:
+    """How many tokens each try of a step drafts: [k], or with grow 2, 4, 8, ... and finally k."""
+    sizes = []
+    if grow:
+        s = 2
+        while s < k:
+            sizes.append(s)
+            s *= 2
+    return sizes + [k]
+
+
+def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Sequence[int]], k: int = 16,
+             categories: Sequence[str] | None = None, batch_size: int = 16, desc: str = "simulate",
+             grow: bool = False) -> SimulationResult:
+    """Greedy-verification simulation of `drafter` against the target's greedy `references` (see module doc).
+
+    Sequences advance in lockstep so engines with `draft_batch` draft for up to `batch_size` contexts at once.
+    When a draft runs to the end of the reference the step still counts its bonus token (the target always adds one).
+    grow: draft 2, 4, ... k tokens while all are accepted (exact for prefix-consistent drafters, see module doc).
+    """
+    if len(prompts) != len(references):
+        raise ValueError(f"{len(prompts)} prompts but {len(references)} references")
+    categories = list(categories) if categories is not None else ["all"] * len(prompts)
+    if len(categories) != len(prompts):
+        raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
+    overall = AcceptanceStats(k)
+    per_cat: dict[str, AcceptanceStats] = OrderedDict((c, AcceptanceStats(k)) for c in dict.fromkeys(categories))
+    pos = [0] * len(prompts)
+    sizes = draft_sizes(k, grow)
+    drafted = 0
+    t0 = time.perf_counter()
+    bar = tqdm(total=sum(len(r) for r in references), desc=desc, unit="tok", leave=False)
+    while True:
+        active = [s for s in range(len(prompts)) if pos[s] < len(references[s])]
+        if not active:
+            break
+        for c0 in range(0, len(active), batch_size):
+            chunk = active[c0:c0 + batch_size]
+            contexts = {s: list(prompts[s]) + list(references[s][:pos[s]]) for s in chunk}
+            for size in sizes:
+                drafts = draft_many(drafter, [contexts[s] for s in chunk], size)
+                drafted += size * len(chunk)
+                again = []
+                for s, d in zip(chunk, drafts):
+                    window = references[s][pos[s]:pos[s] + k]
+                    a = accepted_length(d, window)
+                    if a == size and size < len(window):  # all accepted and more could be: draft more
+                        again.append(s)
+                        continue
+                    overall.add(a, len(window))
+                    per_cat[categories[s]].add(a, len(window))
+                    step = min(a + 1, len(references[s]) - pos[s])
+                    pos[s] += step
+                    bar.update(step)
+                chunk = again
+                if not chunk:
+                    break
+    bar.close()
+    return SimulationResult(overall, dict(per_cat), time.perf_counter() - t0, drafted)
+
+
+def pool_by_origin(per_group: dict[str, AcceptanceStats], groups: Sequence[str],
+                   origins: Sequence[str | None]) -> dict[str, dict]:
+    """origin -> the pooled statistics (`AcceptanceStats.to_dict`) of the groups whose items all have that origin;
+    a group with items of several origins pools under "mixed". {} when no item has an origin."""
+    if not any(origins):
+        return {}
+    origin_of: dict[str, set] = {}
+    for g, o in zip(groups, origins):
+        origin_of.setdefault(g, set()).add(o or "unknown")
+    label = {g: next(iter(os_)) if len(os_) == 1 else "mixed" for g, os_ in origin_of.items()}
+    pooled: dict[str, AcceptanceStats] = {}
+    for g, stats in per_group.items():
+        pooled.setdefault(label.get(g, "mixed"), AcceptanceStats(stats.k)).merge(stats)
+    return {o: {**st.to_dict(), "groups": sorted(g for g in per_group if label.get(g, "mixed") == o)}
+            for o, st in pooled.items()}

@@ -1,0 +1,1 @@
+"""The drafter in other runtimes: exports to formats they load."""

@@ -1,0 +1,1 @@
+"""The study: its configuration, the five stages, whole runs, verification, and the ablations."""

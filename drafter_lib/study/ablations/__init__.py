@@ -1,0 +1,1 @@
+"""Ablations of the study: kept layers, draft vocabulary, loss, data."""

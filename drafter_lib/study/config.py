@@ -1,0 +1,404 @@
+"""The study's configuration: one dataclass tree, built from a preset plus overrides and checked in full before any
+stage runs, so a bad value fails in the first seconds with a message that names its key.
+
+    StudyConfig
+      study    StudySection   which models (teacher, drafter base, kept layers), device, threads, seed
+      data     DataConfig     01_data: prompt sources, mixture, held-out split, length filter
+      teacher  TeacherConfig  02_teacher: greedy continuation length, batch size, backend
+      train    TrainConfig    03_train_qat: train.py's own dataclass (the study fills its paths and model fields)
+      quant    QuantSection   the int4 / int8 scheme that QAT trains with and 04_pack packs
+      pack     PackConfig     04_pack: the copy policy shipped with the pack, which checkpoint, publishing to model/
+      eval     EvalConfig     05_eval: held-out prompts, k, the end-to-end check
+
+Presets: smoke (CI-sized, a tiny random teacher), default (SmolLM2-135M-Instruct, offline, ~1 h on 2 CPU cores),
+full (Qwen3-8B teacher, Qwen3-1.7B drafter, pinned hub revisions; GPU + hub).
+Overrides (`--set KEY=JSON`): `section.key` (`train.steps=3`, `pack.copy_policy.enabled=false`), a whole section
+as a dict that merges (`train={"steps": 3}`), or an old flat preset key (`publish=true`, `num_threads=1`, `k=4`).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from drafter_lib.common.files import read_json, to_jsonable, write_json
+from drafter_lib.common.overrides import ConfigError, parse_set  # noqa: F401 - parse_set: part of the config API
+from drafter_lib.packed.copy_policy import CopyPolicy
+from drafter_lib.study import config_checks
+from drafter_lib.train.trainer import TrainConfig
+
+
+@dataclass
+class StudySection:
+    teacher: str = "smollm2-135m-instruct"  # hf_models spec, local HF dir, or "tiny-random[:llama|:qwen3]"
+    drafter_base: str | None = None  # None: the drafter starts as a copy of the teacher
+    keep_layers: str | list[int] | None = "even:4"  # layers of the base the drafter keeps ("first:K", [0, 3], None)
+    device: str = "cpu"
+    num_threads: int | None = None  # torch CPU threads (None: torch's default); set 1 on shared cores
+    seed: int = 0
+
+
+# The default mixture: GSM8K answers are long (186 teacher tokens on average), so at equal weights math took 54 % of
+# the teacher's tokens; the synthetic families (six, three of them open-ended chat requests) get more. A weight
+# naming a corpus that is absent on this machine is dropped (stages.build_prompts).
+DEFAULT_SOURCE_WEIGHTS = {"synthetic": 1.3, "t0_train_prompts": 1.0, "gsm8k_train_questions": 0.4,
+                          "self_instruct_seed_tasks": 1.0}
+
+
+@dataclass
+class DataConfig:
+    shared_data: str | None = "auto"  # extra prompt corpora; "auto": ../shared/data next to the repo, if present
+    synthetic_n: int = 2300
+    self_prompts: int = 0  # user turns the teacher writes from its chat template's user header (0: none)
+    total_prompts: int | None = 6000  # None: every prompt the sources give (weights only subsample)
+    source_weights: dict[str, float] | None = field(default_factory=lambda: dict(DEFAULT_SOURCE_WEIGHTS))
+    heldout_frac: float = 0.04
+    min_prompt_tokens: int = 4
+    max_prompt_tokens: int = 256
+    humaneval: bool | str = "auto"  # held-out HumanEval prompts: True, False or "auto" (when installed)
+
+
+@dataclass
+class TeacherConfig:
+    max_new_tokens: int = 256
+    batch_size: int = 128  # decode rows per step: 4x 32's rows cost ~3x the time here (attention reads fp32 K/V)
+    backend: str = "auto"  # auto | native | hf
+    soft_topk: int = 16  # also store the teacher's top-K log-probs per continuation token (0: off)
+    soft_prompt: bool = True  # ... and at prompt positions (for train.loss_on_prompt)
+
+
+@dataclass
+class QuantSection:
+    group_size: int = 64  # int4 group along the input dim: must divide the drafter's hidden and MLP sizes
+    scale_dtype: str = "float16"
+    embed_bits: int | None = 8  # embeddings / lm_head: int8 per row (None: float)
+    embed_group_size: int | None = None
+
+    def quant_config(self):
+        from drafter_lib.quantization import QuantConfig
+
+        return QuantConfig.default_for(self.group_size, self.scale_dtype, self.embed_bits, self.embed_group_size)
+
+
+def _default_copy_policy() -> CopyPolicy:
+    return CopyPolicy(enabled=True, max_ngram=3, min_ngram=2, max_copy=16, mode="prefix")
+
+
+@dataclass
+class PackConfig:
+    copy_policy: CopyPolicy = field(default_factory=_default_copy_policy)  # copy_policy.json of the pack
+    checkpoint: str = "best"  # best (QAT) | best_distill (fp, packed with the same quantizer)
+    # the pack's default dynamic draft threshold (None: fixed-length drafts). 0.4 with k <= 16 is the one setting that
+    # beat 1.5x plain decoding with AVX-512 and with AVX2 code paths (docs/benchmarks.md, bench/speculative.py)
+    min_confidence: float | None = 0.4
+    # how the engine holds the pack's weights unless told otherwise (None: the engine's exact "auto"). "int8w": int8
+    # weight rows with fp32 activations, whose compiled steps read a quarter of fp32's bytes and, unlike the int8
+    # activations of "auto-approx", keep drafts independent of the cache state (docs/engine.md)
+    engine_dtype: str | None = "int8w"
+    publish: bool = False  # copy the pack to publish_dir (what serve.sh serves)
+    publish_dir: str | None = None  # None: the repository's model/
+
+
+# Evaluated besides the run's own held-out split (heldout.py): committed benchmark files, generated RAG prompts.
+DEFAULT_HELDOUT_FILES = ("data/heldout/mt_bench.jsonl", "data/heldout/spec_bench_summarization.jsonl", "rag:0")
+
+
+@dataclass
+class EvalConfig:
+    # Sized for <= ~8 min on 2 cores (docs/evaluation.md): 2 prompts in each of the 18 groups.
+    limit: int | None = 36  # prompts (chat turns) spread round-robin over the groups: two of each of the 18 (None: all)
+    max_new_tokens: int = 96
+    k: int = 16  # draft tokens per target step
+    e2e_prompts: int = 4  # prompts for real speculative decoding (lossless check, wall clock)
+    e2e_k: int | None = None  # None: k, with the pack's own threshold (pack.min_confidence): the shipped defaults
+    group_by: str = "category"  # category | source
+    # repo-relative prompt files (project format or question.jsonl) or "rag:SEED[:N]"
+    heldout_files: list[str] = field(default_factory=lambda: list(DEFAULT_HELDOUT_FILES))
+
+
+def _default_train() -> TrainConfig:
+    # Sized so the five stages end within 90 min on 2 cores: the teacher's 3,232 continuations (~489k tokens) take
+    # ~47 min, and a step of 8 rows of the 4-layer, 8,192-token-head drafter ~1.3 s: 900 steps are ~2 epochs in
+    # ~22 min (73 min in all, docs/studies/teacher_time.md). Loss: forward KL on the teacher's top-16 (the loss
+    # ablation's pick, docs/studies/loss.md), on the prompt positions too: they cost no extra forward pass and, over
+    # the full 900 steps, lowered the final validation CE by ~0.25 nats (docs/studies/training.md). lr 1.5e-3: final
+    # validation CE 2.30 against 2.58 at 5e-4; 3e-3 trailed both at mid-run (docs/studies/training.md).
+    return TrainConfig(steps=900, qat_steps=50, batch_size=8, max_seq_len=512, lr=1.5e-3, qat_lr=5e-5, warmup_steps=20,
+                       qat_warmup_steps=4, eval_every=80, ckpt_every=40, log_every=10, val_fraction=0.03,
+                       max_eval_batches=4, loss="kl_topk", loss_on_prompt=True, draft_vocab_size=8192)
+
+
+@dataclass
+class StudyConfig:
+    """The whole configuration of a run. `StudyConfig()` is the default preset."""
+
+    study: StudySection = field(default_factory=StudySection)
+    data: DataConfig = field(default_factory=DataConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    train: TrainConfig = field(default_factory=_default_train)
+    quant: QuantSection = field(default_factory=QuantSection)
+    pack: PackConfig = field(default_factory=PackConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def to_dict(self) -> dict:
+        d = to_jsonable(self)
+        for k in TRAIN_SET_BY_STUDY:
+            d["train"].pop(k, None)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict, check_models: bool = False) -> StudyConfig:
+        cfg = _build(cls, d, "")
+        validate(cfg, check_models=check_models)
+        return cfg
+
+    def get(self, key: str) -> Any:
+        """Value at a dotted key, e.g. cfg.get("train.steps")."""
+        node = self
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
+
+
+# TrainConfig fields the study sets from the rest of the tree (train_config_for); `train.<field>` overrides them.
+TRAIN_SET_BY_STUDY = {"train_path": "the run's teacher targets", "val_path": "the run (split by id hash)",
+                      "out_dir": "the run's train/", "base_model": "study.drafter_base", "keep_layers":
+                      "study.keep_layers", "teacher_model": "study.teacher", "seed": "study.seed",
+                      "num_threads": "study.num_threads", "quant": "quant", "qat_group_size": "quant.group_size"}
+
+# The presets' old flat keys (README, scripts): still accepted by --set.
+LEGACY_KEYS = {
+    "drafter_base": "study.drafter_base", "keep_layers": "study.keep_layers", "device": "study.device",
+    "num_threads": "study.num_threads", "seed": "study.seed", "shared_data": "data.shared_data",
+    "synthetic_n": "data.synthetic_n", "total_prompts": "data.total_prompts", "source_weights": "data.source_weights",
+    "heldout_frac": "data.heldout_frac", "min_prompt_tokens": "data.min_prompt_tokens",
+    "max_prompt_tokens": "data.max_prompt_tokens", "humaneval": "data.humaneval",
+    "teacher_max_new_tokens": "teacher.max_new_tokens", "teacher_batch_size": "teacher.batch_size",
+    "teacher_backend": "teacher.backend", "copy_policy": "pack.copy_policy", "publish": "pack.publish",
+    "eval_limit": "eval.limit", "eval_max_new_tokens": "eval.max_new_tokens", "k": "eval.k",
+    "e2e_prompts": "eval.e2e_prompts", "e2e_k": "eval.e2e_k", "group_by": "eval.group_by",
+    "train.qat_group_size": "quant.group_size",
+}
+
+
+def _smoke() -> StudyConfig:
+    # CI-sized: a tiny random Llama (byte tokenizer) stands in for the teacher; minutes on 2 CPU cores. One thread
+    # is faster than two for tiny models and never stalls on a shared machine.
+    return StudyConfig(
+        study=StudySection(teacher="tiny-random:llama", keep_layers="even:2", num_threads=1),
+        data=DataConfig(shared_data=None, synthetic_n=160, total_prompts=None, source_weights=None, heldout_frac=0.1,
+                        max_prompt_tokens=384, humaneval=False),
+        teacher=TeacherConfig(max_new_tokens=24),
+        train=TrainConfig(steps=24, qat_steps=8, batch_size=8, max_seq_len=408, lr=2e-3, qat_lr=2e-4, warmup_steps=4,
+                          qat_warmup_steps=2, eval_every=12, ckpt_every=12, log_every=4, val_fraction=0.1,
+                          max_eval_batches=2),
+        quant=QuantSection(group_size=32),
+        # limit 12: one prompt of each group the byte-level context fits, the multi-turn group included
+        eval=EvalConfig(limit=12, max_new_tokens=24, k=8, e2e_prompts=2, e2e_k=None, group_by="category"))
+
+
+def _full() -> StudyConfig:
+    return StudyConfig(
+        study=StudySection(teacher="Qwen/Qwen3-8B", drafter_base="Qwen/Qwen3-1.7B", keep_layers=None, device="cuda"),
+        data=DataConfig(synthetic_n=20000, total_prompts=40000, heldout_frac=0.02, max_prompt_tokens=1024),
+        teacher=TeacherConfig(max_new_tokens=512, batch_size=64, backend="hf"),
+        train=TrainConfig(steps=4000, qat_steps=800, batch_size=8, grad_accum=4, max_seq_len=1536, lr=2e-5,
+                          qat_lr=5e-6, warmup_steps=100, qat_warmup_steps=20, eval_every=250, ckpt_every=250,
+                          log_every=10, val_fraction=0.01, max_eval_batches=50, mixed_precision="bf16"),
+        quant=QuantSection(group_size=128),
+        pack=PackConfig(engine_dtype=None),  # exact kernels until int8 activations are measured on this drafter
+        eval=EvalConfig(limit=200, max_new_tokens=256, k=16, e2e_prompts=16, e2e_k=None, group_by="category"))
+
+
+PRESETS = {"smoke": _smoke, "default": StudyConfig, "full": _full}
+
+
+def preset(name: str) -> StudyConfig:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+# ---------------------------------------------------------------------------------------------- building, types
+
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _fields(cls) -> list[str]:
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    return [n for n in names if not (cls is TrainConfig and n in TRAIN_SET_BY_STUDY)]
+
+
+def _unknown(key: str, cls) -> ConfigError:
+    last = key.rsplit(".", 1)[-1]
+    if cls is TrainConfig and last in TRAIN_SET_BY_STUDY:
+        return ConfigError(f"{key}: set by the study from {TRAIN_SET_BY_STUDY[last]}; override that instead")
+    where = f"keys of {key.rsplit('.', 1)[0]}" if "." in key else "sections"
+    extra = f"; old flat keys: {', '.join(sorted(LEGACY_KEYS))}" if "." not in key else ""
+    return ConfigError(f"unknown key {key!r}; {where}: {', '.join(_fields(cls))}{extra}")
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) in (list, tuple, dict):
+        return str(tp)  # e.g. list[int]
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp, val, key: str):
+    """`val` as type `tp` (JSON values: lists become tuples where a tuple is wanted, ints floats), or ConfigError."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return val if isinstance(val, tp) else _build(tp, val, key)
+    if origin in (Union, types.UnionType):
+        for a in args:
+            try:
+                return _coerce(a, val, key)
+            except ConfigError as e:
+                if dataclasses.is_dataclass(a) and isinstance(val, dict):
+                    raise e
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {val!r} ({type(val).__name__})")
+    ok = {type(None): val is None, bool: isinstance(val, bool), str: isinstance(val, str), Any: True,
+          int: isinstance(val, int) and not isinstance(val, bool),
+          float: isinstance(val, (int, float)) and not isinstance(val, bool)}
+    if tp in ok:
+        if not ok[tp]:
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {val!r} ({type(val).__name__})")
+        return float(val) if tp is float else val
+    if (origin or tp) in (list, tuple):
+        if not isinstance(val, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {val!r} ({type(val).__name__})")
+        items = [_coerce(args[0], v, f"{key}[{i}]") for i, v in enumerate(val)] if args else list(val)
+        return tuple(items) if (origin or tp) is tuple else items
+    if (origin or tp) is dict:
+        if not isinstance(val, dict):
+            raise ConfigError(f"{key}: expected a JSON object, got {val!r} ({type(val).__name__})")
+        return {str(k): _coerce(args[1], v, f"{key}.{k}") if args else v for k, v in val.items()}
+    raise ConfigError(f"{key}: unsupported type {tp}")  # a new field type: teach _coerce about it
+
+
+def _build(cls, d, path: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{path or 'config'}: expected a JSON object of keys, got {d!r}")
+    hints, names, kwargs = _hints(cls), _fields(cls), {}
+    for key, val in d.items():
+        dotted = f"{path}.{key}" if path else key
+        if key not in names:
+            raise _unknown(dotted, cls)
+        kwargs[key] = _coerce(hints[key], val, dotted)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # a dataclass's own checks (CopyPolicy, ...)
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def _type_at(key: str):
+    """Type of the node at a dotted key, or ConfigError naming the unknown part."""
+    cls, parts = StudyConfig, key.split(".")
+    for i, part in enumerate(parts):
+        if part not in _fields(cls):
+            raise _unknown(".".join(parts[:i + 1]), cls)
+        tp = _hints(cls)[part]
+        if i < len(parts) - 1:
+            if not dataclasses.is_dataclass(tp):
+                raise ConfigError(f"{'.'.join(parts[:i + 1])} is a value, not a section: cannot set {key!r}")
+            cls = tp
+    return tp
+
+
+def _expand(key: str, val) -> list[tuple[str, Any]]:
+    """One override -> (dotted key, leaf value) pairs: old flat keys renamed, dicts for a section merged."""
+    if key == "teacher" and not isinstance(val, dict):
+        key = "study.teacher"  # the old flat key; a dict means the teacher section
+    key = LEGACY_KEYS.get(key, key)
+    tp = _type_at(key)
+    if dataclasses.is_dataclass(tp) and isinstance(val, dict):
+        return [kv for k, v in val.items() for kv in _expand(f"{key}.{k}", v)]
+    return [(key, val)]
+
+
+def apply_overrides(d: dict, overrides: dict | None) -> dict:
+    """A config dict (StudyConfig.to_dict()) with `overrides` applied; the input is not changed."""
+    d = copy.deepcopy(d)
+    for key, val in (overrides or {}).items():
+        for k, v in _expand(key, val):
+            node, parts = d, k.split(".")
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+            node[parts[-1]] = v
+    return d
+
+
+def build_config(preset_name: str = "default", overrides: dict | None = None, check_models: bool = True
+                 ) -> StudyConfig:
+    """Preset + overrides -> a checked StudyConfig (ConfigError naming the key otherwise)."""
+    return StudyConfig.from_dict(apply_overrides(preset(preset_name).to_dict(), overrides), check_models)
+
+
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+def validate(cfg: StudyConfig, check_models: bool = True) -> StudyConfig:
+    """Every value and combination a stage would reject later; check_models also reads the drafter's sizes from
+    its HF config (no weights) to check keep_layers and the quant group sizes against them."""
+    config_checks.check(cfg, check_models)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------- the run's copy
+
+def save_run_config(layout, cfg: StudyConfig, preset_name: str | None = None, overrides: dict | None = None):
+    """study_config.json: the config every notebook of the run reads, with how it was made."""
+    return write_json(layout.study_config, {"preset": preset_name, "overrides": overrides or {},
+                                            "config": cfg.to_dict()})
+
+
+def load_run_config(layout) -> StudyConfig | None:
+    """The run's StudyConfig from study_config.json, or None when the run has none yet."""
+    if not layout.study_config.is_file():
+        return None
+    return StudyConfig.from_dict(read_json(layout.study_config)["config"])
+
+
+# ---------------------------------------------------------------------------------------------- stage keys
+
+# Keys each stage reads. A stage's hash covers its keys and every earlier stage's, so changing data.* reruns all
+# five stages and eval.k only 05_eval. study.num_threads is left out: it changes speed, not results.
+STAGE_KEYS = {
+    "01_data": ["study.teacher", "study.drafter_base", "study.seed", "data"],
+    "02_teacher": ["study.device", "teacher"],
+    "03_train_qat": ["study.keep_layers", "train", "quant"],
+    "04_pack": ["pack.copy_policy", "pack.checkpoint", "pack.min_confidence", "pack.engine_dtype"],
+    "05_eval": ["eval"],
+}
+STAGE_LOCAL_KEYS = {"04_pack": ["pack.publish", "pack.publish_dir"]}  # later stages do not depend on these
+
+
+def stage_config(cfg: StudyConfig, stage: str) -> dict:
+    """The part of the config `stage` depends on (its keys and all earlier stages'), as plain JSON."""
+    if stage not in STAGE_KEYS:
+        raise ValueError(f"unknown stage {stage!r}; stages are {list(STAGE_KEYS)}")
+    names = list(STAGE_KEYS)
+    keys = [k for s in names[:names.index(stage) + 1] for k in STAGE_KEYS[s]] + STAGE_LOCAL_KEYS.get(stage, [])
+    full = cfg.to_dict()
+    out = {}
+    for k in keys:
+        node = full
+        for part in k.split("."):
+            node = node[part]
+        out[k] = node
+    return out
+
+
+def stage_hash(cfg: StudyConfig, stage: str) -> str:
+    return hashlib.sha256(json.dumps(stage_config(cfg, stage), sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,335 @@
+"""Teacher targets: greedy continuations of chat prompts, written as resumable, shardable JSONL.
+
+Output rows (one JSON object per line, flushed every `flush_rows` finished rows):
+    {"id", "category", "source", "prompt_ids": [...], "continuation_ids": [...]}
+`continuation_ids` ends with the stop token (EOS / <|im_end|>) when the teacher produced one, so a drafter
+trained on it also learns where answers end. A sidecar `<out>.meta.json` records the teacher (id, revision,
+sha256 of its weights) and the generation settings; resuming with a different teacher or settings is an error.
+Once generation finishes it also records the output file's row count and sha256 (`output`), which
+`drafter_lib.study.verify` checks.
+
+With `soft_topk=K > 0` the stage also stores the teacher's top-K log-probabilities at every continuation position
+(and with `soft_prompt=True` at every prompt position) in safetensors parts beside the targets file
+(`targets.soft/`, format in `drafter_lib.teacher.soft_labels`); each flush writes its part before appending its rows,
+and a resumed run first drops part rows that never reached the targets file, so no row is lost or stored twice.
+
+Backends (`drafter_lib.decoding.backends`): "native" (hand-written decoder, continuous batching, CPU) and "hf"
+(transformers generate, GPU or architectures the native path lacks); "auto" picks.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from drafter_lib.common.chat import cut_at_stop, encode_chat, prompt_messages, stop_token_ids
+from drafter_lib.common.files import read_json, read_jsonl, read_rows, sha256_file, write_json, write_jsonl
+from drafter_lib.common.layout import portable_value, repo_relative
+from drafter_lib.decoding.backends import make_backend
+from drafter_lib.teacher.soft_labels import (
+    SoftRow,
+    SoftWriter,
+    load_soft_labels,
+    parts_record,
+    reconcile,
+    soft_dir_for,
+    stored_row_ids,
+)
+
+FORMAT_VERSION = 1
+
+
+# ---------------------------------------------------------------- prompts and tokens
+
+
+
+def record_id(record: dict) -> str:
+    rid = record.get("id", record.get("question_id"))
+    if rid is None:
+        raise ValueError(f"prompt record without 'id': {str(record)[:200]}")
+    return str(rid)
+
+
+
+
+
+
+
+
+# ---------------------------------------------------------------- sharding, resume, merge
+
+def shard_of(prompt_id: str, num_shards: int) -> int:
+    """Stable shard of an id (sha256, not Python's salted hash), so every machine agrees."""
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    h = hashlib.sha256(str(prompt_id).encode("utf-8")).digest()
+    return int.from_bytes(h[:8], "big") % num_shards
+
+
+def select_shard(records: Sequence[dict], shard_index: int, num_shards: int) -> list[dict]:
+    if not 0 <= shard_index < num_shards:
+        raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
+    return [r for r in records if shard_of(record_id(r), num_shards) == shard_index]
+
+
+
+
+def merge_shards(shard_paths: Sequence[str | os.PathLike], out_path: str | os.PathLike) -> int:
+    """Concatenate shard files into one, sorted by id. Duplicated ids must carry identical rows.
+    The first shard's meta (minus shard fields) becomes the merged meta. Returns the row count."""
+    by_id: dict[str, dict] = {}
+    metas = []
+    for p in shard_paths:
+        for row in read_rows(p):
+            prev = by_id.get(row["id"])
+            if prev is not None and prev != row:
+                raise ValueError(f"id {row['id']!r} appears in several shards with different rows")
+            by_id[row["id"]] = row
+        mp = meta_path(p)
+        if mp.exists():
+            metas.append(read_json(mp))
+    keys = ("teacher", "generation")
+    for m in metas[1:]:
+        if any(m.get(k) != metas[0].get(k) for k in keys):
+            raise ValueError("shards were generated with different teachers or settings; refusing to merge")
+    out_path = Path(out_path)
+    write_jsonl(out_path, [by_id[rid] for rid in sorted(by_id)])
+    soft = bool(metas and metas[0].get("generation", {}).get("soft_topk"))
+    if soft:
+        _merge_soft([soft_dir_for(p) for p in shard_paths], soft_dir_for(out_path), sorted(by_id),
+                    metas[0]["generation"]["soft_topk"])
+    if metas:
+        merged = {k: v for k, v in metas[0].items() if k not in ("shard_index", "num_shards", "output")}
+        merged["merged_from"] = [repo_relative(p) for p in shard_paths]  # no machine paths in the record
+        merged["num_rows"] = len(by_id)
+        merged["output"] = output_record(out_path, len(by_id))
+        if soft:
+            merged["output"]["soft"] = parts_record(soft_dir_for(out_path), out_path.parent)
+        write_json(meta_path(out_path), merged)
+    return len(by_id)
+
+
+def _merge_soft(dirs: Sequence[Path], out_dir: Path, ids: Sequence[str], k: int, rows_per_part: int = 256):
+    """Soft labels of merged shards: every row once (the first shard that has it), in id order."""
+    rows: dict[str, SoftRow] = {}
+    for d in dirs:
+        for rid, r in load_soft_labels(d).items():
+            rows.setdefault(rid, r)
+    missing = [i for i in ids if i not in rows]
+    if missing:
+        raise ValueError(f"soft labels missing for {len(missing)} merged rows, e.g. {missing[:3]}")
+    for old in out_dir.glob("part_*.safetensors") if out_dir.is_dir() else []:
+        old.unlink()
+    w = SoftWriter(out_dir, k)
+    for s in range(0, len(ids), rows_per_part):
+        w.write([rows[i] for i in ids[s:s + rows_per_part]])
+
+
+def meta_path(out_path: str | os.PathLike) -> Path:
+    return Path(str(out_path) + ".meta.json")
+
+
+def output_record(out_path: str | os.PathLike, rows: int) -> dict:
+    """The meta's description of a finished targets file: name, row count, sha256 of its bytes."""
+    out_path = Path(out_path)
+    return {"file": out_path.name, "rows": rows, "sha256": sha256_file(out_path)}
+
+
+def chat_template_sha256(tokenizer) -> str:
+    """Identifies how prompts were templated (the meta records it; verify recomputes it)."""
+    return hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()
+
+
+def weights_sha256(model: torch.nn.Module) -> str:
+    """sha256 over (name, dtype, shape, bytes) of the state dict - identifies the exact teacher weights."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- the generation loop
+
+def generate_targets(
+    records: Sequence[dict],
+    model,
+    tokenizer,
+    out_path: str | os.PathLike,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    backend: str = "auto",
+    shard_index: int = 0,
+    num_shards: int = 1,
+    teacher_id: str | None = None,
+    teacher_revision: str | None = None,
+    on_batch: Callable[[int, list[dict]], None] | None = None,
+    progress: bool = True,
+    soft_topk: int = 0,
+    soft_prompt: bool = False,
+    flush_rows: int | None = None,
+    native_dtype: str = "float32",
+    schedule: str = "continuous",
+    native_options: dict | None = None,
+) -> dict:
+    """Write greedy teacher continuations for this shard of `records` to `out_path`, resuming if it exists.
+
+    batch_size: rows decoded together (native: continuous-batching slots; hf: one static batch). soft_topk > 0:
+    also store the teacher's top-K log-probs per continuation token (soft_prompt: per prompt position too) in
+    `soft_dir_for(out_path)`. flush_rows (default batch_size): finished rows per append (and soft part); a
+    killed run loses at most the rows not yet flushed. native_dtype: weight precision of the native backend
+    (float32 = exact default). schedule: "continuous" (refill finished slots) or "static" (native only).
+    native_options: the native backend's speed settings (`teacher_backends.NativeBackend`; benchmarks compare them).
+    `on_batch(flush_index, rows)` runs after each flush (progress hooks, tests). Returns stats: rows written now,
+    rows already done, new tokens, seconds, tokens/s.
+    """
+    if max_new_tokens < 1 or batch_size < 1:
+        raise ValueError(f"max_new_tokens and batch_size must be >= 1 (got {max_new_tokens}, {batch_size})")
+    if soft_topk < 0 or (soft_prompt and not soft_topk):
+        raise ValueError(f"soft_topk must be >= 0 and soft_prompt needs soft_topk > 0 (got {soft_topk}, {soft_prompt})")
+    flush_rows = flush_rows or batch_size
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    stop_ids = stop_token_ids(tokenizer)
+    generation = {"max_new_tokens": max_new_tokens, "stop_ids": stop_ids, "greedy": True,
+                  "chat_template_sha256": chat_template_sha256(tokenizer)}
+    # only non-default settings are recorded: a default run's meta stays what it always was
+    if native_dtype != "float32":
+        generation["native_dtype"] = native_dtype
+    if soft_topk:
+        generation.update(soft_topk=soft_topk, soft_prompt=soft_prompt)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "teacher": {
+            "id": portable_value(teacher_id or getattr(model.config, "_name_or_path", None)
+                                    or model.config.model_type),
+            "revision": teacher_revision,
+            "weights_sha256": weights_sha256(model),
+            "model_type": model.config.model_type,
+        },
+        "generation": generation,
+        "shard_index": shard_index,
+        "num_shards": num_shards,
+    }
+    mp = meta_path(out_path)
+    if mp.exists() and out_path.exists():
+        old = read_json(mp)
+        for key in ("teacher", "generation", "shard_index", "num_shards"):
+            if old.get(key) != meta[key]:
+                raise ValueError(f"{out_path} was started with a different {key} ({old.get(key)} != {meta[key]}); "
+                                 "use a new output path")
+    write_json(mp, meta)  # without "output" until this call finishes: an unfinished file has no recorded hash
+
+    mine = select_shard(records, shard_index, num_shards)
+    ids = [record_id(r) for r in mine]
+    if len(set(ids)) != len(ids):
+        raise ValueError("duplicate prompt ids in the input")
+    done = {row["id"] for row in read_rows(out_path, repair=True)}
+    soft_dir = soft_dir_for(out_path)
+    writer = None
+    if soft_topk:
+        reconcile(soft_dir, done)  # parts of a killed flush whose rows never reached the targets file
+        have = stored_row_ids(soft_dir)
+        if done - have:
+            raise ValueError(f"{len(done - have)} rows of {out_path} have no soft labels in {soft_dir}")
+        writer = SoftWriter(soft_dir, soft_topk)
+    todo = []
+    for r in mine:
+        if record_id(r) not in done:
+            todo.append((r, encode_chat(tokenizer, prompt_messages(r))))
+    todo.sort(key=lambda x: (len(x[1]), record_id(x[0])))  # length-sorted batches pad little
+
+    gen = make_backend(backend, model, tokenizer, dtype=native_dtype, schedule=schedule, **(native_options or {}))
+    n_tok, n_rows, t0, flushes, pending = 0, 0, time.perf_counter(), 0, []
+    bar = tqdm(total=len(todo), desc=f"teacher[{gen.name}] shard {shard_index}/{num_shards}", unit="prompt",
+               disable=not progress)
+    with open(out_path, "a") as f:
+        def flush():
+            nonlocal n_rows, flushes
+            rows = [row for row, _ in pending]
+            if writer is not None:  # soft part first: a targets row is never without its soft labels
+                writer.write([sr for _, sr in pending])
+            # one write per flush: a crash leaves at most one partial line, which resume drops
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+            f.flush()
+            os.fsync(f.fileno())
+            n_rows += len(rows)
+            pending.clear()
+            bar.update(len(rows))
+            bar.set_postfix(tok_s=f"{n_tok / max(time.perf_counter() - t0, 1e-9):.0f}")
+            flushes += 1
+            if on_batch is not None:
+                on_batch(flushes - 1, rows)
+
+        stream = gen.stream([p for _, p in todo], max_new_tokens, stop_ids, batch_size, top_k=soft_topk,
+                            prompt_top_k=soft_prompt)
+        for fin in stream:
+            r, p = todo[fin.index]
+            c = cut_at_stop(fin.tokens, stop_ids, max_new_tokens)
+            row = {"id": record_id(r), "category": r.get("category"), "source": r.get("source"),
+                   "prompt_ids": p, "continuation_ids": c}
+            sr = None
+            if soft_topk:
+                n = (len(p) - 1 - fin.soft_start) + len(c)  # prompt entries (if any) + one per continuation token
+                sr = SoftRow(row["id"], fin.soft_start, fin.soft_ids[:n], fin.soft_logprobs[:n])
+            pending.append((row, sr))
+            n_tok += len(c)
+            if len(pending) >= flush_rows:
+                flush()
+        if pending:
+            flush()
+    bar.close()
+    dt = time.perf_counter() - t0
+    output = output_record(out_path, len(done) + n_rows)
+    if soft_topk:
+        output["soft"] = parts_record(soft_dir, out_path.parent)
+    write_json(mp, {**meta, "output": output})
+    return {"written": n_rows, "already_done": len(done), "new_tokens": n_tok, "seconds": dt,
+            "tokens_per_s": n_tok / dt if dt > 0 else 0.0, "backend": gen.name}
+
+
+# ---------------------------------------------------------------- CLI
+
+def _load_records(path: str) -> list[dict]:
+    try:
+        from drafter_lib.data.corpora import load_prompt_file  # owner: models; handles both prompt formats
+        return list(load_prompt_file(path))
+    except ImportError:
+        return read_jsonl(path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Write greedy teacher continuations (resumable, shardable).")
+    ap.add_argument("--prompts", required=True, help="prompt JSONL (project format or question.jsonl)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--teacher", default="smollm2-135m-instruct")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
+    ap.add_argument("--shard-index", type=int, default=0)
+    ap.add_argument("--num-shards", type=int, default=1)
+    ap.add_argument("--soft-topk", type=int, default=0, help="store the teacher's top-K log-probs (0: off)")
+    ap.add_argument("--soft-prompt", action="store_true", help="also store top-K at prompt positions")
+    ap.add_argument("--native-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--merge", nargs="*", help="merge these shard files into --out and exit")
+    args = ap.parse_args(argv)
+    if args.merge:
+        print(f"merged {merge_shards(args.merge, args.out)} rows into {args.out}")
+        return
+    from drafter_lib.model import hf_models  # owner: models
+    model, tok = hf_models.load_teacher(args.teacher)
+    rev = getattr(model.config, "_commit_hash", None)
+    stats = generate_targets(_load_records(args.prompts), model, tok, args.out, max_new_tokens=args.max_new_tokens,
+                             batch_size=args.batch_size, backend=args.backend, shard_index=args.shard_index,
+                             num_shards=args.num_shards, teacher_id=args.teacher, teacher_revision=rev,
+                             soft_topk=args.soft_topk, soft_prompt=args.soft_prompt, native_dtype=args.native_dtype)
+    print(json.dumps(stats))

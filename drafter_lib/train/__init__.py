@@ -1,0 +1,1 @@
+"""Drafter training: distillation on teacher continuations, then quantization-aware training."""

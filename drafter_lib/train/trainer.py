@@ -1,0 +1,408 @@
+"""Drafter training: distillation on teacher continuations, then quantization-aware training (QAT).
+
+Phase 1 ("distill", `steps` optimizer steps): next-token cross-entropy on the teacher's greedy continuation
+tokens only (prompt tokens give context but no loss), optionally + `kl_weight` * KL(teacher || student) on the
+same positions. `loss="kl_topk"` / `"tv"` distil the teacher's stored top-K soft labels instead (see
+`train_loss`), and `loss_on_prompt` adds the soft-labelled prompt positions as loss positions; the logged and
+validated "loss" stays the continuation CE, so runs with different objectives compare. Phase 2 ("qat",
+`qat_steps`): the same loss with `quantization.apply_fake_quant` on the model (the exact quantizer packing
+uses), from the best distill weights, at a lower LR.
+
+Runs single-process on CPU or multi-process via `accelerate launch` (DDP). Batches are a deterministic function
+of (seed, data position), and the loss of one optimizer step is normalised by the target-token count of the whole
+global step, so N processes compute the same update as one process with N times the micro-batches.
+
+Outputs under `out_dir`: train_config.json, checkpoints/step_XXXXXXX (model, optimizer, scheduler, step, RNG,
+data position; see `checkpoint.py`), history.json/.csv, losses.png, best_distill/ (fp, HF format) and best/ (final
+phase's best validation loss, HF format with the latent fp weights; packing them with the QAT quant config
+reproduces exactly the fake-quant weights the model trained with) plus qat_quant_config.json.
+
+Modules: `train_data` (examples, split, batches), `train_loss` (objective, schedule, optimizer), `checkpoint`
+(atomic checkpoints, HF exports, history), `plots.plot_losses`; this one holds the config, the loop and the CLI.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from drafter_lib.common.files import write_json
+from drafter_lib.common.layout import TrainLayout
+from drafter_lib.common.plots import plot_losses
+from drafter_lib.model.draft_vocab import head_targets, reduce_for_continuations
+from drafter_lib.train import examples as train_data
+from drafter_lib.train.checkpoint import (
+    latest_checkpoint,
+    portable_config,
+    read_checkpoint,
+    save_checkpoint,
+    save_hf,
+    set_rng_state,
+    write_history,
+)
+from drafter_lib.train.examples import IGNORE, BatchStream, collate, load_examples, split_val
+from drafter_lib.train.loss import LOSSES, LossModule, make_optimizer, teacher_target_logits
+
+__all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "build_base_model"]
+
+
+@dataclass
+class TrainConfig:
+    # data: teacher target JSONL rows {"id","prompt_ids","continuation_ids",...}
+    train_path: str = ""
+    out_dir: str = "runs/default/train"
+    val_path: str | None = None         # None: hold out val_fraction of train by id hash
+    val_fraction: float = 0.05
+    max_seq_len: int = 512              # prompt+continuation truncated on the right
+    batch_size: int = 8                 # sequences per micro-batch per process
+    grad_accum: int = 1
+    bucket_batches: int = 64            # sort by length within windows of this many batches (less padding)
+    # model
+    base_model: str = "smollm2-135m-instruct"   # hf_models spec or local HF dir
+    keep_layers: str | list | None = "even:10"  # layer pruning of the base (None: keep all)
+    teacher_model: str | None = None    # only needed for kl_weight > 0
+    kl_weight: float = 0.0
+    kl_temperature: float = 1.0
+    # objective: "ce" (hard targets) | "kl_topk" | "tv" (teacher top-K soft labels + tail bucket)
+    loss: str = "ce"
+    loss_on_prompt: bool = False        # soft-labelled prompt positions are loss positions too
+    prompt_loss_weight: float = 1.0     # their weight against a continuation position
+    soft_labels: str | None = None      # soft-label dir; None: <train_path stem>.soft beside the targets
+    draft_vocab_size: int | None = None  # head over the N most frequent continuation tokens (draft_vocab.py)
+    # optimisation, phase 1
+    steps: int = 1000
+    lr: float = 3e-4
+    warmup_steps: int = 50
+    # phase 2: QAT
+    qat_steps: int = 200
+    qat_lr: float = 3e-5
+    qat_warmup_steps: int = 10
+    qat_init: str = "best"              # "best" distill checkpoint or "last" weights
+    quant: dict | None = None           # QuantConfig.to_dict(); None: QuantConfig.default_for(qat_group_size)
+    qat_group_size: int = 64
+    # shared
+    schedule: str = "cosine"            # cosine | linear | constant (after linear warmup)
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0
+    mixed_precision: str = "no"         # no | bf16 (GPU)
+    # bookkeeping
+    eval_every: int = 100
+    max_eval_batches: int | None = None
+    ckpt_every: int = 100
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    seed: int = 0
+    resume: bool = True
+    stop_at_step: int | None = None     # stop early (time-sliced jobs, resume tests)
+    progress: bool = True
+    num_threads: int | None = None      # torch CPU threads per process
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps + self.qat_steps
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown TrainConfig keys: {sorted(unknown)}")
+        return cls(**d)
+
+    def validate(self):
+        if not self.train_path:
+            raise ValueError("TrainConfig.train_path is required")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise ValueError(f"schedule must be cosine|linear|constant, got {self.schedule!r}")
+        if self.qat_init not in ("best", "last"):
+            raise ValueError(f"qat_init must be 'best' or 'last', got {self.qat_init!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        if self.prompt_loss_weight < 0:
+            raise ValueError(f"prompt_loss_weight must be >= 0, got {self.prompt_loss_weight}")
+        if self.kl_weight > 0 and not self.teacher_model:
+            raise ValueError("kl_weight > 0 needs teacher_model")
+        if self.draft_vocab_size is not None and (self.draft_vocab_size < 1 or self.kl_weight > 0):
+            raise ValueError(f"draft_vocab_size must be >= 1 and does not go with kl_weight > 0 (full-vocabulary "
+                             f"teacher logits), got {self.draft_vocab_size} with kl_weight={self.kl_weight}")
+        for k in ("batch_size", "grad_accum", "max_seq_len", "eval_every", "ckpt_every", "log_every"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.steps < 0 or self.qat_steps < 0 or self.total_steps < 1:
+            raise ValueError(f"need steps >= 0, qat_steps >= 0 and at least one step "
+                             f"(got {self.steps}, {self.qat_steps})")
+
+
+def quant_config(cfg: TrainConfig):
+    from drafter_lib.quantization import QuantConfig
+
+    return QuantConfig.from_dict(cfg.quant) if cfg.quant else QuantConfig.default_for(group_size=cfg.qat_group_size)
+
+
+def build_base_model(cfg: TrainConfig):
+    """(HF model, tokenizer): the base drafter, layer-pruned if cfg.keep_layers."""
+    from drafter_lib.model import hf_models
+
+    model, tok = hf_models.load_drafter_base(cfg.base_model, dtype=torch.float32)
+    if cfg.keep_layers is not None:
+        model, _ = hf_models.prune_layers(model, cfg.keep_layers)
+    model.train()
+    return model, tok
+
+
+# ---------------------------------------------------------------- the loop
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, accelerator=None):
+        from accelerate import Accelerator
+
+        cfg.validate()
+        self.cfg = cfg
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision,
+                                              cpu=not torch.cuda.is_available())
+        self.out = Path(cfg.out_dir)
+        self.paths = TrainLayout(self.out)
+        if self.acc.is_main_process:
+            self.out.mkdir(parents=True, exist_ok=True)
+            write_json(self.paths.config, portable_config(cfg))
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        np.random.seed(cfg.seed)
+
+        soft = train_data.soft_dir_of
+        exs = load_examples(cfg.train_path, cfg.max_seq_len, soft(cfg, cfg.train_path))
+        if cfg.val_path:
+            self.train_ex, self.val_ex = exs, load_examples(cfg.val_path, cfg.max_seq_len, soft(cfg, cfg.val_path))
+        else:
+            self.train_ex, self.val_ex = split_val(exs, cfg.val_fraction)
+        if cfg.loss_on_prompt and not any(e.prompt_soft for e in self.train_ex):
+            raise ValueError("loss_on_prompt needs soft labels at prompt positions (teacher soft_prompt=True)")
+        self.stream = BatchStream(self.train_ex, cfg)
+        self.model, self.tok = build_base_model(cfg)
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.head_ids = None
+        if cfg.draft_vocab_size:  # ids are a pure function of the data: a resumed run picks the same ones
+            self.head_ids = reduce_for_continuations(self.model, self.tok, [e.ids[e.prompt_len:] for e in
+                                                                            self.train_ex], cfg.draft_vocab_size)
+        self.teacher = None
+        if cfg.kl_weight > 0:
+            from drafter_lib.model import hf_models
+            self.teacher, _ = hf_models.load_teacher(cfg.teacher_model)
+            self.teacher = self.teacher.to(self.acc.device).eval()
+        self.step, self.data_pos, self.phase = 0, 0, "distill" if cfg.steps > 0 else "qat"
+        self.best = {"distill": math.inf, "qat": math.inf}
+        self.history: list[dict] = []
+
+    def _on_device(self, batch: dict) -> dict:
+        """A collated batch on the device; with a draft vocab, targets become head rows and tokens outside it
+        carry no loss (they stay in the step's normalisation as loss-free positions)."""
+        batch = {k: v.to(self.acc.device) for k, v in batch.items()}
+        if self.head_ids is not None:
+            batch["targets"] = head_targets(batch["targets"], self.head_ids, self.vocab_size, IGNORE)
+            if "soft_ids" in batch:  # soft labels outside the draft vocab -> -1: topk_divergence's tail bucket
+                batch["soft_ids"] = head_targets(batch["soft_ids"], self.head_ids, self.vocab_size, -1)
+        return batch
+
+    # -- phases
+    def _prepare(self, phase: str):
+        """(Re)build optimizer + scheduler for a phase and hand model/optimizer to accelerate (DDP wrap)."""
+        self.acc.free_memory()
+        if phase == "qat":
+            from drafter_lib.quantization import apply_fake_quant
+            apply_fake_quant(self.model, quant_config(self.cfg))
+        self.model.train()
+        opt, sched = make_optimizer(self.model, self.cfg, phase)
+        self.loss_mod, self.opt = self.acc.prepare(LossModule(self.model), opt)
+        self.sched = sched
+        self.phase = phase
+
+    def _enter_qat(self):
+        if self.cfg.qat_init == "best" and self.paths.best_distill.exists():
+            from drafter_lib.model.draft_vocab import load_hf_drafter
+            best = load_hf_drafter(self.paths.best_distill)
+            self.model.load_state_dict(best.state_dict())
+        self._prepare("qat")
+
+    # -- checkpoints
+    def save_checkpoint(self):
+        state = {"step": self.step, "data_pos": self.data_pos, "phase": self.phase, "best": self.best,
+                 "history": self.history, "num_processes": self.acc.num_processes}
+        save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched, state,
+                        self.cfg.keep_checkpoints)
+
+    def load_checkpoint(self, path: Path):
+        ck = read_checkpoint(path, self.acc.process_index)
+        state = ck["state"]
+        if state["phase"] == "qat":
+            from drafter_lib.quantization import apply_fake_quant
+            self.acc.free_memory()
+            apply_fake_quant(self.model, quant_config(self.cfg))
+        self.model.load_state_dict(ck["model"])
+        self.model.to(self.acc.device)
+        opt, sched = make_optimizer(self.model, self.cfg, state["phase"])
+        opt.load_state_dict(ck["optimizer"])
+        sched.load_state_dict(ck["scheduler"])
+        self.acc.free_memory()
+        self.loss_mod, self.opt = self.acc.prepare(LossModule(self.model), opt)
+        self.sched, self.phase = sched, state["phase"]
+        self.step, self.data_pos, self.best = state["step"], state["data_pos"], state["best"]
+        self.history = state["history"]
+        if ck["rng"] is not None:
+            set_rng_state(ck["rng"])
+
+    # -- one step
+    def _micro_batches(self):
+        """This process's micro-batches for the next optimizer step, the target-token and loss-position counts of
+        the whole global step (all processes and accumulation steps) - known up front: batches are deterministic."""
+        W, A, r = self.acc.num_processes, self.cfg.grad_accum, self.acc.process_index
+        global_idx = [self.stream[self.data_pos + i] for i in range(W * A)]
+        n_tok = sum(len(self.train_ex[j].ids) - self.train_ex[j].prompt_len for b in global_idx for j in b)
+        n_loss = sum(self.train_ex[j].loss_positions(self.cfg.loss_on_prompt) for b in global_idx for j in b)
+        mine = [global_idx[a * W + r] for a in range(A)]
+        return [collate([self.train_ex[j] for j in b]) for b in mine], n_tok, n_loss
+
+    def train_step(self) -> dict:
+        batches, n_tok, n_loss = self._micro_batches()
+        W, dev, cfg = self.acc.num_processes, self.acc.device, self.cfg
+        ce_sum = torch.zeros((), device=dev)
+        obj_sum = torch.zeros((), device=dev)
+        for a, batch in enumerate(batches):
+            batch = self._on_device(batch)
+            tl = teacher_target_logits(self.teacher, batch) if self.teacher is not None else None
+            sync = a == len(batches) - 1
+            ctx = self.acc.no_sync(self.loss_mod) if not sync else contextlib.nullcontext()
+            with ctx, self.acc.autocast():
+                loss, ce = self.loss_mod(**batch, teacher_logits=tl, kl_weight=cfg.kl_weight,
+                                         temperature=cfg.kl_temperature, loss=cfg.loss,
+                                         loss_on_prompt=cfg.loss_on_prompt, prompt_weight=cfg.prompt_loss_weight)
+                # DDP averages grads over W processes; scaling by W / n_loss makes it a mean over all positions
+                self.acc.backward(loss * (W / n_loss))
+            ce_sum += ce
+            obj_sum += loss.detach()
+        gnorm = self.acc.clip_grad_norm_(self.loss_mod.parameters(), self.cfg.grad_clip) if self.cfg.grad_clip else None
+        lr = self.sched.get_last_lr()[0]
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.data_pos += W * self.cfg.grad_accum
+        self.step += 1
+        loss = self.acc.reduce(ce_sum, reduction="sum").item() / n_tok
+        rec = {"loss": loss, "lr": lr, "tokens": n_tok, "grad_norm": None if gnorm is None else float(gnorm)}
+        if cfg.loss != "ce" or cfg.loss_on_prompt:  # the objective per loss position (default runs log only CE)
+            rec["objective"] = self.acc.reduce(obj_sum, reduction="sum").item() / n_loss
+        return rec
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        if not self.val_ex:
+            return float("nan")
+        self.model.eval()
+        order = sorted(range(len(self.val_ex)), key=lambda i: len(self.val_ex[i].ids))
+        bs = self.cfg.batch_size
+        batches = [order[i:i + bs] for i in range(0, len(order), bs)][:self.cfg.max_eval_batches]
+        tot = torch.zeros(2, dtype=torch.float64, device=self.acc.device)
+        for b in batches[self.acc.process_index::self.acc.num_processes]:
+            batch = self._on_device(collate([self.val_ex[i] for i in b]))
+            with self.acc.autocast():
+                _, ce = self.acc.unwrap_model(self.loss_mod)(**batch)
+            tot[0] += ce.double()
+            tot[1] += (batch["targets"] != IGNORE).sum()
+        tot = self.acc.reduce(tot, reduction="sum")
+        self.model.train()
+        return (tot[0] / tot[1]).item()
+
+    def _eval_and_keep_best(self):
+        val = self.evaluate()
+        self.history.append({"step": self.step, "phase": self.phase, "kind": "val", "loss": val})
+        if not math.isnan(val) and val < self.best[self.phase]:
+            self.best[self.phase] = val
+            if self.acc.is_main_process:
+                dest = self.paths.best_distill if self.phase == "distill" else self.paths.best
+                save_hf(self.model, self.tok, dest, {"step": self.step, "phase": self.phase, "val_loss": val})
+                if self.phase == "qat":
+                    write_json(self.paths.qat_quant_config, quant_config(self.cfg).to_dict())
+            self.acc.wait_for_everyone()
+        return val
+
+    def run(self) -> dict:
+        cfg, acc = self.cfg, self.acc
+        ck = latest_checkpoint(self.out) if cfg.resume else None
+        if ck is not None:
+            self.load_checkpoint(ck)
+            acc.print(f"resumed from {ck} (step {self.step}, phase {self.phase})")
+        else:
+            self.model.to(acc.device)
+            self._prepare(self.phase)
+            self._eval_and_keep_best()  # step-0 validation loss of the untrained base
+        stop = min(cfg.total_steps, cfg.stop_at_step or cfg.total_steps)
+        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train",
+                   disable=not (cfg.progress and acc.is_main_process))
+        t0, toks = time.perf_counter(), 0
+        while self.step < stop:
+            if self.phase == "distill" and self.step >= cfg.steps:
+                if cfg.steps > 0 and self.history and self.history[-1].get("kind") != "val":
+                    self._eval_and_keep_best()
+                self._enter_qat()
+            rec = self.train_step()
+            toks += rec["tokens"]
+            end_of_phase = self.step in (cfg.steps, cfg.total_steps)
+            if self.step % cfg.log_every == 0 or end_of_phase:
+                dt = time.perf_counter() - t0
+                rec = {"step": self.step, "phase": self.phase, "kind": "train", **rec, "tokens_per_s": toks / dt}
+                self.history.append(rec)
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", phase=self.phase, tok_s=f"{toks / dt:.0f}")
+            if self.step % cfg.eval_every == 0 or end_of_phase:
+                val = self._eval_and_keep_best()
+                bar.set_postfix(val=f"{val:.3f}", phase=self.phase)
+            if self.step % cfg.ckpt_every == 0 or end_of_phase:
+                self.save_checkpoint()
+            if acc.is_main_process and (self.step % cfg.log_every == 0 or end_of_phase):
+                write_history(self.history, self.out)
+            bar.update(1)
+        bar.close()
+        done = self.step >= cfg.total_steps
+        if acc.is_main_process:
+            write_history(self.history, self.out)
+            plot_losses(self.history, self.paths.losses_plot)
+            best, best_distill = self.paths.best, self.paths.best_distill
+            if done and not best.exists() and best_distill.exists() and cfg.qat_steps == 0:
+                shutil.copytree(best_distill, best)
+        acc.wait_for_everyone()
+        return {"step": self.step, "done": done, "best": self.best, "out_dir": str(self.out),
+                "history": self.history}
+
+
+def run_training(cfg: TrainConfig | dict, accelerator=None) -> dict:
+    """Train (or resume) per `cfg`; returns {"step", "done", "best", "out_dir", "history"}."""
+    if isinstance(cfg, dict):
+        cfg = TrainConfig.from_dict(cfg)
+    return Trainer(cfg, accelerator).run()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Distill + QAT a drafter (works under `accelerate launch`).")
+    ap.add_argument("--config", required=True, help="JSON file with TrainConfig fields")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override fields (JSON values)")
+    args = ap.parse_args(argv)
+    from drafter_lib.common.overrides import ConfigError, parse_set
+
+    try:
+        d = {**json.loads(Path(args.config).read_text()), **parse_set(args.set)}
+    except ConfigError as e:
+        ap.error(str(e))
+    res = run_training(TrainConfig.from_dict(d))
+    print(json.dumps({k: v for k, v in res.items() if k != "history"}))

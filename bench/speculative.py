@@ -82,6 +82,7 @@ from drafter_lib.evaluation.evaluate import encode_records
 from drafter_lib.evaluation.speedup import measure_cost
 from drafter_lib.model import hf_models
 from drafter_lib.model.transformer import Transformer
+from drafter_lib.packed.config_keys import recommended_min_confidence
 from drafter_lib.serve.client import SpeculativeClient
 from drafter_lib.teacher import targets as teacher
 
@@ -133,14 +134,14 @@ class ConfidenceDrafter:
         return self.engine.draft(tokens, k, min_confidence=self.threshold)
 
 
-def draft_rows(name: str, drafter, args, shipped: float | None) -> dict:
-    """Row name -> (drafter, k): fixed k (threshold 0, whatever the pack's default), each threshold with each cap,
-    and the pack's own threshold at k <= 16 with no threshold sent: the defaults a client gets, marked (shipped)."""
+def draft_rows(name: str, drafter, args, recommended: float | None) -> dict:
+    """Row name -> (drafter, k): fixed k (threshold 0), each threshold with each cap, and the threshold the pack
+    recommends at k <= 16, sent with every request, marked (recommended)."""
     rows = {f"{name} k={k}": (ConfidenceDrafter(drafter, 0.0), k) for k in args.k}
     rows.update({f"{name} dyn>={c} k<={cap}": (ConfidenceDrafter(drafter, c), cap)
-                 for cap in args.dynamic_k for c in args.min_confidence if (c, cap) != (shipped, 16)})
-    if shipped:
-        rows[f"{name} dyn>={shipped} k<=16 (shipped)"] = (drafter, 16)
+                 for cap in args.dynamic_k for c in args.min_confidence if (c, cap) != (recommended, 16)})
+    if recommended:
+        rows[f"{name} dyn>={recommended} k<=16 (recommended)"] = (ConfidenceDrafter(drafter, recommended), 16)
     return rows
 
 
@@ -209,8 +210,8 @@ def main(argv=None) -> list[dict]:
     drafters, pack_engines = {}, {}  # pack_engines: label -> the pack's first engine, which times its c
     servers = []  # (process, client): one per pack and --server-envs entry, each idle (asleep) while another drafts
     for label, model_dir in packs:
-        # the pack's default threshold (pack.min_confidence), what a request that sets none gets
-        shipped = json.loads((Path(model_dir) / "config.json").read_text()).get("draft_min_confidence")
+        # the threshold the pack recommends (pack.min_confidence); the clients here send it themselves
+        recommended = recommended_min_confidence(json.loads((Path(model_dir) / "config.json").read_text()))
         for dtype in args.engine_dtypes if "engine" in args.drafters else []:
             engine = DraftEngine.from_dir(model_dir, dtype=dtype)
             pack_engines.setdefault(label, engine)
@@ -218,11 +219,11 @@ def main(argv=None) -> list[dict]:
             print(f"{label or 'engine'} weights: {engine.dtype}" + (f" ({plan})" if plan else "")
                   + (f"; cached steps {engine.step_plan}" if engine.step_plan else ""))
             name = " ".join(filter(None, [label, "engine", engine.dtype if len(args.engine_dtypes) > 1 else ""]))
-            drafters.update(draft_rows(name, engine, args, shipped))
+            drafters.update(draft_rows(name, engine, args, recommended))
         for settings in args.server_envs if "http" in args.drafters else []:
             servers.append(start_server(model_dir, parse_env(settings)))
             name = " ".join(filter(None, [label, "http", f"[{settings}]" if settings else ""]))
-            drafters.update(draft_rows(name, servers[-1][1], args, shipped))
+            drafters.update(draft_rows(name, servers[-1][1], args, recommended))
 
     targets = {}
     if "hf" in args.targets:

@@ -149,7 +149,8 @@ class ServerProcess:
         self.log_path = Path(log_path)
         env = dict(env if env is not None else os.environ)
         env.update(HOST="127.0.0.1", PORT=str(self.port), MODEL_DIR=str(model_dir), LOG_LEVEL="warning",
-                   PYTHON=sys.executable, **{k: str(v) for k, v in settings.items()})
+                   PYTHON=sys.executable)
+        env.update({k: str(v) for k, v in settings.items()})  # a setting given here wins over the defaults above
         if code is not None:
             cmd = [sys.executable, "-c", code]
             env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -320,7 +321,8 @@ def test_model_dir_threshold_is_only_a_recommendation(model_dir, tmp_path):
     from fastapi.testclient import TestClient
 
     from drafter_lib.engine.draft_engine import DraftEngine
-    from drafter_lib.serve.app import Settings, create_app
+    from drafter_lib.serve.app import create_app
+    from drafter_lib.serve.settings import Settings
 
     tokens, full, c, j = _stoppable(DraftEngine.from_dir(model_dir), range(30, 50), 40)
     d = tmp_path / "m"
@@ -342,9 +344,10 @@ def test_model_dir_threshold_is_only_a_recommendation(model_dir, tmp_path):
             assert tc.post("/draft", json={"tokens": tokens, "min_confidence": 0}).json()["draft"] == full
 
 
-@pytest.mark.parametrize("text, expected", [("recommended", "recommended"), ("0.4", 0.4), ("0", 0.0)])
+@pytest.mark.parametrize("text, expected", [("recommended", "recommended"), ("Recommended", "recommended"),
+                                            ("0.4", 0.4), ("0", 0.0), ("", None)])
 def test_default_min_confidence_setting(monkeypatch, text, expected):
-    from drafter_lib.serve.app import Settings
+    from drafter_lib.serve.settings import Settings
 
     monkeypatch.setenv("DEFAULT_MIN_CONFIDENCE", text)
     assert Settings.from_env().default_min_confidence == expected
@@ -352,11 +355,15 @@ def test_default_min_confidence_setting(monkeypatch, text, expected):
 
 @pytest.mark.parametrize("text", ["1.5", "-0.1", "nan", "often"])
 def test_default_min_confidence_setting_rejects(monkeypatch, text):
-    from drafter_lib.serve.app import Settings
+    from pydantic import ValidationError
+
+    from drafter_lib.serve.settings import Settings, describe_errors
 
     monkeypatch.setenv("DEFAULT_MIN_CONFIDENCE", text)
-    with pytest.raises(ValueError, match="DEFAULT_MIN_CONFIDENCE must be a number in"):
+    with pytest.raises(ValidationError) as err:
         Settings.from_env()
+    assert describe_errors(err.value) == [f"DEFAULT_MIN_CONFIDENCE={text!r}: must be a number in [0, 1] or "
+                                          "'recommended'"]
 
 
 @pytest.mark.slow
@@ -397,31 +404,74 @@ def test_engine_is_loaded_and_run_on_one_thread(model_dir, monkeypatch):
 
     monkeypatch.setattr(server_app, "load_engine", load)
     with TestClient(server_app.create_app(server_app.Settings(model_dir=str(model_dir)))) as tc:
+        deadline = time.monotonic() + 120
+        while tc.get("/health").status_code != 200 and time.monotonic() < deadline:  # the load runs in the background
+            time.sleep(0.05)
         for n in (5, 9, 6):
             assert tc.post("/draft", json={"tokens": _prompt(n, n)}).status_code == 200
     assert seen["runs"] == {seen["load"]} and seen["load"] != threading.main_thread().ident
 
 
-INTERRUPTED_LOAD = """
-import os, signal, threading, time
+SLOW_LOAD = """
+import time
 from drafter_lib.serve import app as server_app
-server_app.load_engine = lambda settings: time.sleep(60)  # a load that times its kernels for a minute
-threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C a second into it
-server_app.create_app(server_app.Settings(model_dir="unused"))
+from drafter_lib.serve.cli import main
+real = server_app.load_engine
+server_app.load_engine = lambda settings: time.sleep(float(__import__("os").environ["LOAD_DELAY_S"])) or real(settings)
+main()
 """
 
 
-def test_ctrl_c_during_the_engine_load_exits_at_once():
-    """The engine loads on its own thread (a daemon): Ctrl-C in the main thread ends the process without waiting
-    for the load to finish."""
+def test_listens_at_once_answers_starting_then_ok_and_ctrl_c_during_the_load_exits_at_once(model_dir, tmp_path):
+    """The server answers while the drafter loads (a slow load here): /health 503 "starting", /draft 503 with
+    Retry-After; once loaded, drafts. Ctrl-C during a load ends the process at once (exit 0): the load runs on
+    its own daemon thread."""
     import signal
     import time
 
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-c", INTERRUPTED_LOAD], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    assert "KeyboardInterrupt" in out.stderr and out.returncode != 0
-    assert time.perf_counter() - t0 < 30, "the process waited for the interrupted load"
+    srv = ServerProcess(model_dir, tmp_path / "slow.log", code=SLOW_LOAD, LOAD_DELAY_S=3,
+                        LOG_LEVEL="info")  # not entered: no wait for readiness
+    try:
+        seen, refused = set(), 0
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    h = c.get("/health")
+                except httpx.TransportError:
+                    time.sleep(0.05)
+                    continue
+                seen.add(h.json()["status"])
+                if h.status_code == 200:
+                    break
+                assert h.status_code == 503 and h.headers["retry-after"] == "1"
+                d = c.post("/draft", json={"tokens": [1, 2, 3]})
+                if d.status_code == 503:  # (the load may finish between the two requests)
+                    assert "loading" in d.json()["error"] and d.headers["retry-after"] == "1"
+                    refused += 1
+                time.sleep(0.2)
+            assert seen == {"starting", "ok"} and refused > 0, (seen, refused)
+            assert len(c.post("/draft", json={"tokens": [1, 2, 3]}).json()["draft"]) == 16
+        assert "loading the drafter" in srv.log() and "ready in" in srv.log()
+    finally:
+        srv.stop()
+
+    srv = ServerProcess(model_dir, tmp_path / "interrupted.log", code=SLOW_LOAD, LOAD_DELAY_S=60)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                try:
+                    if c.get("/health").json()["status"] == "starting":
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.05)
+        t0 = time.perf_counter()
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(timeout=30) == 0, srv.log()
+        assert time.perf_counter() - t0 < 15, "the process waited for the interrupted load"
+    finally:
+        srv.stop()
 
 
 # ------------------------------------------------------------------ offline

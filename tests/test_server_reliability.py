@@ -38,10 +38,13 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 def _metric(text: str, name: str, **labels) -> float:
-    lab = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-    m = re.search(rf"^specdraft_{name}{re.escape(lab)} (\S+)$", text, re.M)
-    assert m, f"specdraft_{name}{lab} missing from /metrics"
-    return float(m.group(1))
+    """The sum of the samples of specdraft:NAME with these labels, parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == f"specdraft:{name}" and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert found, f"specdraft:{name}{labels} missing from /metrics"
+    return sum(found)
 
 
 def _is_clean_503(r: httpx.Response) -> bool:
@@ -105,8 +108,8 @@ def test_queue_bound_answers_503_with_retry_after(model_dir, tmp_path):
             for t, r in ok:  # the accepted ones got what the same request gets alone
                 assert r.json()["draft"] == c.post("/draft", json={"tokens": t, "num_draft_tokens": 4}).json()["draft"]
             text = c.get("/metrics").text
-        assert _metric(text, "rejected_total", reason="queue_full") == len(refused)
-        assert _metric(text, "queue_depth") == 0
+        assert _metric(text, "requests_total", status="503", reason="queue_full") == len(refused)
+        assert _metric(text, "num_requests_waiting") == 0
 
 
 def test_request_timeout_answers_503_not_a_hang(model_dir, tmp_path):
@@ -118,7 +121,7 @@ def test_request_timeout_answers_503_not_a_hang(model_dir, tmp_path):
         assert time.perf_counter() - t0 < 1.8
         time.sleep(2.0)  # the engine finishes the abandoned batch; the server keeps serving
         assert c.get("/health").json()["status"] == "ok"
-        assert _metric(c.get("/metrics").text, "rejected_total", reason="timeout") == 1
+        assert _metric(c.get("/metrics").text, "requests_total", status="503", reason="timeout") == 1
 
 
 def test_200_concurrent_clients_get_their_draft_or_a_clean_503(model_dir, tmp_path):
@@ -154,12 +157,13 @@ def test_200_concurrent_clients_get_their_draft_or_a_clean_503(model_dir, tmp_pa
                 assert body["cached_prefix_len"] is not None and 0 <= body["cached_prefix_len"] < len(t)
             text = c.get("/metrics").text
         print(f"\n200 clients: {codes.count(200)} answered 200, {codes.count(503)} answered 503")
-        assert _metric(text, "rejected_total", reason="queue_full") == codes.count(503)
-        assert _metric(text, "responses_total", code="200") == codes.count(200) + len(served)
-        assert _metric(text, "queue_depth") == 0 and _metric(text, "inflight_requests") == 0
+        assert _metric(text, "requests_total", status="503", reason="queue_full") == codes.count(503)
+        assert _metric(text, "requests_total", status="200") == codes.count(200) + len(served)
+        assert _metric(text, "num_requests_waiting") == 0 and _metric(text, "num_requests_running") == 0
         assert _metric(text, "batch_size_count") >= 1 and _metric(text, "batch_size_bucket", le="+Inf") >= 1
-        assert _metric(text, "request_latency_seconds", quantile="0.99") > 0
-        assert 0 < _metric(text, "cache_hit_ratio") <= 1
+        assert _metric(text, "request_latency_seconds_sum") > 0
+        assert _metric(text, "request_latency_seconds_count") == codes.count(200) + len(served)
+        assert 0 < _metric(text, "prefix_cache_hits_total") <= _metric(text, "prefix_cache_lookups_total")
         assert srv.proc.poll() is None and "Traceback" not in srv.log()
 
 
@@ -190,7 +194,7 @@ def test_cache_bytes_and_rss_stay_bounded_under_a_flood(tmp_path):
                                                   "num_draft_tokens": 16})
                 assert r.status_code == 200, r.text
                 text = (await ac.get("/metrics")).text
-                peak_seen = max(peak_seen, _metric(text, "cache_bytes"))
+                peak_seen = max(peak_seen, _metric(text, "prefix_cache_bytes"))
                 samples.append(proc_status_kib(srv.proc.pid, "VmRSS") * 1024)
 
         async def flood():
@@ -201,7 +205,7 @@ def test_cache_bytes_and_rss_stay_bounded_under_a_flood(tmp_path):
         text = c.get("/metrics").text
         hwm = proc_status_kib(srv.proc.pid, "VmHWM") * 1024
     names = ("cache_bytes", "cache_peak_bytes", "cache_max_bytes", "cache_evictions_total")
-    cache = {n: _metric(text, n) for n in names}
+    cache = {n: _metric(text, "prefix_" + n) for n in names}
     print(f"\nflood: RSS base {base / 2**20:.0f} MiB, max sampled {max(samples) / 2**20:.0f} MiB, peak (VmHWM) "
           f"{hwm / 2**20:.0f} MiB, limit {limit / 2**20:.0f} MiB; cache {cache}")
     assert cache["cache_max_bytes"] == bound_mb << 20

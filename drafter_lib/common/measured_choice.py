@@ -9,6 +9,7 @@ sliced head all choose this way.
 """
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import shutil
@@ -22,6 +23,7 @@ import torch
 from drafter_lib.common import openmp_wait
 from drafter_lib.common.files import read_json, write_json
 
+log = logging.getLogger("specdraft.measured_choice")
 ROUNDS = 7
 MIN_GAIN = 0.03  # another path must beat float32 (the reference) by this fraction to be chosen over it
 
@@ -69,8 +71,13 @@ def cached_choice(key: str, measure, choices=None) -> dict:
     entry = doc.setdefault(machine_key(), {})
     hit = entry.get(key)
     if not (isinstance(hit, dict) and "path" in hit and (choices is None or hit["path"] in choices)):
+        log.info("timing %s ...", key)
+        t0 = time.perf_counter()
         hit = entry[key] = measure()
+        log.info("timed %s in %.1f s: %s", key, time.perf_counter() - t0, hit["path"])
         _write_cache(path, doc)
+    else:
+        log.info("cached choice for %s: %s", key, hit["path"])
     return hit
 
 

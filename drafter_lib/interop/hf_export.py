@@ -39,7 +39,7 @@ def export_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     packed = read_model_dir(model_dir)
-    cfg = {k: v for k, v in packed.config.items() if k not in STUDY_KEYS}
+    cfg = {k: v for k, v in packed.config.items() if k not in (*STUDY_KEYS, draft_vocab.CONFIG_KEY)}
     model_type = cfg.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

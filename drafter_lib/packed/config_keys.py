@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import math
 
-from drafter_lib.model import draft_vocab
-
 MIN_CONFIDENCE_KEY = "draft_min_confidence"
 ENGINE_DTYPE_KEY = "draft_engine_dtype"
 RECOMMENDED = "recommended"  # as a default threshold: the pack's MIN_CONFIDENCE_KEY
 # how the engine can hold the weights: "auto*" chosen by measurement, else one format for all (engine/kernels.py)
 ENGINE_DTYPES = ("auto", "auto-approx", "float32", "float16", "bfloat16", "int8", "int8w")
-# keys the study adds that transformers does not know: they stay in the pack, an HF export drops them
-STUDY_KEYS = ("pruned_from", "_name_or_path", "_model_name_or_path", draft_vocab.CONFIG_KEY, MIN_CONFIDENCE_KEY,
-              ENGINE_DTYPE_KEY)
+# keys the study adds that transformers does not know: they stay in the pack, an HF export drops them (with the
+# draft vocabulary's own key, model/draft_vocab.CONFIG_KEY)
+STUDY_KEYS = ("pruned_from", "_name_or_path", "_model_name_or_path", MIN_CONFIDENCE_KEY, ENGINE_DTYPE_KEY)
 
 
 def check_engine_dtype(value, what: str = "dtype") -> str:

@@ -1,7 +1,9 @@
 """The drafter's HTTP app (FastAPI) and the uvicorn server that drains it on SIGTERM. `server.py` is the entry.
 
-One DraftEngine is loaded before the app is built (the published schema carries its vocabulary and context) and
-is owned by one worker thread; concurrent requests are micro-batched (batching.py). The engine keeps nothing
+The app listens at once: one DraftEngine loads on its own worker thread while /health answers 503 "starting" (and
+/draft 503 with Retry-After), logging each step (loading, each measured kernel choice, ready). The published schema
+carries the model's vocabulary and context, read from the model dir's config.json. The worker thread owns the engine;
+concurrent requests are micro-batched (batching.py). The engine keeps nothing
 between requests except its prefix KV cache, whose bytes are bounded (MAX_CACHE_MB). A request without
 `min_confidence` gets exactly `num_draft_tokens` tokens, unless the operator set a server-wide default
 (DEFAULT_MIN_CONFIDENCE: a number, or "recommended" for the model dir's `draft_min_confidence`); a request's own
@@ -12,11 +14,15 @@ Overload: at most MAX_QUEUE requests wait for a batch; the next ones get 503 wit
 request not answered within REQUEST_TIMEOUT_S gets 503 too. Shutdown: SIGTERM (or SIGINT) starts a drain:
 requests already in flight are finished, new ones get 503 (Connection: close) and /health says "draining";
 once nothing is in flight, or after SHUTDOWN_TIMEOUT_S, the server stops and the process exits 0. A second
-signal stops at once.
+signal stops at once. A model that fails to load stops the server with exit status 1.
+
+Settings, authentication and the loopback rule: settings.py. Request ids and logs: logs.py. An unexpected error
+answers 500 with a generic message and the request id; the details go to the log.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -30,8 +36,9 @@ from pydantic import ValidationError
 
 from drafter_lib.common.checks import check_token_ids
 from drafter_lib.common.files import to_jsonable
-from drafter_lib.packed.config_keys import RECOMMENDED, check_min_confidence
+from drafter_lib.serve.auth import BearerAuth
 from drafter_lib.serve.batching import EngineThread, MicroBatcher, Overloaded
+from drafter_lib.serve.logs import RequestIds, configure_logging
 from drafter_lib.serve.metrics import Metrics
 from drafter_lib.serve.schema import (
     DEFAULT_DRAFT_TOKENS,
@@ -44,66 +51,18 @@ from drafter_lib.serve.schema import (
     openapi_document,
     request_model,
 )
+from drafter_lib.serve.settings import Settings
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (its model/ is the default MODEL_DIR)
-
-
-@dataclass
-class Settings:
-    model_dir: str = str(ROOT / "model")
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_body_bytes: int = 2 * 1024 * 1024  # ~250k token ids written as JSON; far above any model's context
-    batch_window_ms: float = 20.0  # max wait for stragglers (see drafter_lib/batching.py); 0 = never wait
-    max_batch: int = 32
-    log_level: str = "info"
-    engine_dtype: str | None = None  # DraftEngine dtype ("auto", "float16", "float32", ...); None = its default
-    max_queue: int = 128  # requests waiting for a batch before 503
-    request_timeout_s: float = 30.0  # a request not answered by then gets 503
-    max_cache_mb: float = 256.0  # prefix KV cache bound
-    max_batch_tokens: int = 4096  # in-flight KV slots per decode group (engine.DraftEngine)
-    shutdown_timeout_s: float | None = None  # drain bound on SIGTERM; None = request_timeout_s + 5
-    # threshold of requests that set no min_confidence: None = off (exactly num_draft_tokens tokens), a number in
-    # [0, 1], or "recommended" (the model dir's draft_min_confidence)
-    default_min_confidence: float | str | None = None
-
-    @classmethod
-    def from_env(cls) -> Settings:
-        env, d = os.environ, cls()
-
-        def get(name, cast, default):
-            return cast(env[name]) if env.get(name) else default
-
-        return cls(model_dir=get("MODEL_DIR", str, d.model_dir), host=get("HOST", str, d.host),
-                   port=get("PORT", int, d.port), max_body_bytes=get("MAX_BODY_BYTES", int, d.max_body_bytes),
-                   batch_window_ms=get("BATCH_WINDOW_MS", float, d.batch_window_ms),
-                   max_batch=get("MAX_BATCH", int, d.max_batch), log_level=get("LOG_LEVEL", str, d.log_level),
-                   engine_dtype=get("ENGINE_DTYPE", str, None), max_queue=get("MAX_QUEUE", int, d.max_queue),
-                   request_timeout_s=get("REQUEST_TIMEOUT_S", float, d.request_timeout_s),
-                   max_cache_mb=get("MAX_CACHE_MB", float, d.max_cache_mb),
-                   max_batch_tokens=get("MAX_BATCH_TOKENS", int, d.max_batch_tokens),
-                   shutdown_timeout_s=get("SHUTDOWN_TIMEOUT_S", float, None),
-                   default_min_confidence=get("DEFAULT_MIN_CONFIDENCE", _threshold, None))
-
-    @property
-    def drain_s(self) -> float:
-        return self.request_timeout_s + 5 if self.shutdown_timeout_s is None else self.shutdown_timeout_s
-
-
-def _threshold(text: str) -> float | str:
-    """DEFAULT_MIN_CONFIDENCE: "recommended", or a number in [0, 1]."""
-    if text.strip().lower() == RECOMMENDED:
-        return RECOMMENDED
-    try:
-        return check_min_confidence(float(text))
-    except ValueError:
-        msg = f"DEFAULT_MIN_CONFIDENCE must be a number in [0, 1] or {RECOMMENDED!r}, got {text!r}"
-        raise ValueError(msg) from None
+log = logging.getLogger("specdraft.serve")
 
 
 @dataclass
 class ServeState:
     """What the routes and the draining server share."""
+    engine: object = None  # the DraftEngine, once loaded
+    run_batch: object = None  # its draft_batch (with heap trimming)
+    load_s: float | None = None
+    load_error: str | None = None  # loading failed: the server stops
     draining: bool = False
     inflight: int = 0  # POST /draft requests inside the handler
     metrics: Metrics = field(default_factory=Metrics)
@@ -215,19 +174,53 @@ def _trimming(engine):
     return run
 
 
-def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
-    """The FastAPI app over `engine` (e.g. an fp baseline), or over MODEL_DIR's drafter loaded here and now."""
-    settings = settings or Settings.from_env()
+def limits_of_dir(model_dir: str | Path) -> Limits:
+    """The request limits of a packed model dir, from its config.json alone (the engine loads later)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        return Limits(int(config["vocab_size"]), int(config["max_position_embeddings"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"MODEL_DIR {Path(model_dir).name!r} holds no readable packed drafter config "
+                         f"({type(e).__name__}: {e}); set MODEL_DIR or publish a model with notebooks/04_pack") from e
+
+
+def _load_into(state: ServeState, settings: Settings) -> None:
+    """On the engine thread: load the drafter, then make it the one the routes use (or record why not)."""
     t0 = time.perf_counter()
+    log.info("loading the drafter from %s (weight formats are timed once per machine, then cached)",
+             Path(settings.model_dir).name)
+    try:
+        engine = load_engine(settings)
+    except Exception as e:  # noqa: BLE001 - the server reports it and stops
+        state.load_error = f"{type(e).__name__}: {e}"
+        log.exception("loading the drafter failed; stopping")
+        return
+    state.load_s = time.perf_counter() - t0
+    state.run_batch = _trimming(engine)
+    state.engine = engine
+    log.info("ready in %.1f s: %s weights, %d-token vocabulary, context %d", state.load_s,
+             getattr(engine, "dtype", "?"), engine.vocab_size, engine.max_context)
+
+
+def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
+    """The FastAPI app over `engine` (e.g. an fp baseline), or over MODEL_DIR's drafter, which starts loading on
+    the engine thread now; the app answers at once (503 "starting" until the drafter is ready)."""
+    settings = settings or Settings.from_env()
     thread = EngineThread()  # loads the engine and runs every batch on it: one OpenMP team (batching.py)
-    eng = engine if engine is not None else thread.submit(load_engine, settings).result()
-    load_s = time.perf_counter() - t0
-    limits = Limits(int(eng.vocab_size), int(eng.max_context))
-    request_cls = request_model(limits)
     state = ServeState()
-    batcher = MicroBatcher(_trimming(eng), window_s=settings.batch_window_ms / 1e3, max_batch=settings.max_batch,
+    if engine is not None:
+        limits = Limits(int(engine.vocab_size), int(engine.max_context))
+        state.engine, state.run_batch, state.load_s = engine, _trimming(engine), 0.0
+    else:
+        limits = limits_of_dir(settings.model_dir)
+        thread.submit(_load_into, state, settings)
+    request_cls = request_model(limits)
+    batcher = MicroBatcher(lambda requests, k, **options: state.run_batch(requests, k, **options),
+                           window_s=settings.batch_window_ms / 1e3, max_batch=settings.max_batch,
                            max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
                            executor=thread)
+    state.metrics.bind(batcher, lambda: state.engine, lambda: state.draining)
     started = time.time()
 
     @asynccontextmanager
@@ -236,12 +229,15 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
         try:
             yield
         finally:
-            await batcher.stop()
+            await batcher.stop(wait=state.engine is not None)  # a load in progress is not waited for
 
     app = FastAPI(title="specdraft drafter", version="0.2.0", lifespan=lifespan,
                   description="Greedy draft tokens for speculative decoding from a packed small drafter.")
     app.state.serve = state
+    # the last added runs first: request id, then the key, then the body bound
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BearerAuth, keys=settings.api_keys())
+    app.add_middleware(RequestIds)
 
     def openapi():
         if app.openapi_schema is None:
@@ -249,10 +245,6 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception):
-        return _error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     def unavailable(exc: Overloaded, t0: float) -> JSONResponse:
         state.metrics.observe(503, time.perf_counter() - t0, exc.reason)
@@ -276,6 +268,8 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
         t0 = time.perf_counter()
         if state.draining:
             return unavailable(Overloaded("draining", "server is shutting down", 1), t0)
+        if state.engine is None:
+            return unavailable(Overloaded("starting", "the drafter is still loading", 1), t0)
         state.inflight += 1
         try:
             body = await request.body()
@@ -308,6 +302,7 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
                 return answer(422, str(exc), t0)
             total = time.perf_counter() - t0
             state.metrics.observe(200, total)
+            state.metrics.observe_draft(res.queue_ms / 1e3, len(res.draft), res.cached_prefix_len)
             extra = {"probs": res.probs} if req.return_probs else {}
             return DraftResponse(
                 draft=res.draft, num_draft_tokens=k, context_len=len(tokens), batch_size=res.batch_size,
@@ -318,49 +313,52 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
             state.inflight -= 1
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "headers": error_responses(503)[
-        503]["headers"], "description": "Shutting down: take this server out of rotation."}})
+        503]["headers"], "description": "Starting, failed to load, or shutting down: not in rotation."}})
     async def health():
         up = round(time.time() - started, 3)
-        if state.draining:
-            return JSONResponse(status_code=503, content={"status": "draining", "uptime_s": up},
+        status = "draining" if state.draining else "failed" if state.load_error else \
+            "starting" if state.engine is None else "ok"
+        if status != "ok":
+            return JSONResponse(status_code=503, content={"status": status, "uptime_s": up},
                                 headers={"Retry-After": "1"})
         return {"status": "ok", "uptime_s": up}
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
-        """Prometheus text format: queue depth, rejections, batch sizes, latency quantiles, cache hit rate."""
-        return PlainTextResponse(state.metrics.prometheus(batcher, eng, state.draining),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+        """Prometheus metrics (prometheus_client): requests by status, latency, queue time, batch sizes, draft
+        lengths, prefix-cache hits, queue depth, resident memory."""
+        body, content_type = state.metrics.exposition()
+        return PlainTextResponse(body, media_type=content_type)
 
     @app.get("/info")
     async def info():
-        """Model config, quantization, manifest hash and copy policy, plus server settings and metrics."""
+        """Model config, quantization, manifest hash and copy policy, plus server settings and metrics (no keys, no
+        machine paths)."""
+        eng = state.engine
+        if eng is None:
+            return _error(503, "the drafter is still loading" if not state.load_error else "the drafter failed to "
+                          "load", headers={"Retry-After": "1"})
         try:  # on the engine's own thread: info() may walk what the worker mutates
             engine_info = await batcher.call_in_worker(eng.info)
         except Exception as e:  # noqa: BLE001 - metadata must not take the server down
-            engine_info = {"error": f"{type(e).__name__}: {e}"}
+            log.error("engine info failed", exc_info=e)
+            engine_info = {"error": f"{type(e).__name__}"}
+        engine_info.pop("path", None)  # where this machine keeps the model
         return {
             "model": to_jsonable(engine_info),
             "vocab_size": limits.vocab_size,
             "max_context": limits.max_context,
             "server": {
-                "model_dir": settings.model_dir,
+                **settings.public(),
                 "engine_dtype": getattr(eng, "dtype", settings.engine_dtype),
                 "default_draft_tokens": DEFAULT_DRAFT_TOKENS,
                 "default_min_confidence": getattr(eng, "min_confidence", None),
                 "max_draft_tokens": limits.max_draft,
                 "max_context_tokens": limits.max_tokens,
-                "max_body_bytes": settings.max_body_bytes,
-                "batch_window_ms": settings.batch_window_ms,
-                "max_batch": settings.max_batch,
-                "max_queue": settings.max_queue,
-                "request_timeout_s": settings.request_timeout_s,
-                "max_cache_mb": settings.max_cache_mb,
-                "shutdown_timeout_s": settings.drain_s,
-                "load_s": round(load_s, 3),
+                "load_s": round(state.load_s, 3),
                 "batching": dict(batcher.stats),
-                "metrics": to_jsonable(state.metrics.snapshot(batcher, eng, state.draining)),
+                "metrics": to_jsonable(state.metrics.snapshot()),
             },
             # Evidence for "no network at serve time": hub clients never even get imported.
             "offline": {
@@ -376,7 +374,8 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
 # ---------------------------------------------------------------- serving with a drain on SIGTERM
 
 def serve(app: FastAPI, settings: Settings) -> None:
-    """Run `app` under uvicorn until SIGTERM/SIGINT, then drain (see the module doc); returns normally."""
+    """Run `app` under uvicorn until SIGTERM/SIGINT, then drain (see the module doc); returns normally, or exits 1
+    when the drafter failed to load."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
@@ -394,13 +393,17 @@ def serve(app: FastAPI, settings: Settings) -> None:
 
         async def on_tick(self, counter: int) -> bool:
             st: ServeState = app.state.serve
-            if st.draining and (st.inflight == 0 or time.monotonic() > self.deadline):
+            if st.load_error or (st.draining and (st.inflight == 0 or time.monotonic() > self.deadline)):
                 self.should_exit = True
             return await super().on_tick(counter)
 
+    configure_logging(settings.log_level, settings.log_format)
+    # log_config=None: uvicorn's loggers go through ours (request ids, LOG_FORMAT); access lines come from logs.py
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            workers=1, timeout_graceful_shutdown=5)
+                            workers=1, timeout_graceful_shutdown=5, log_config=None, access_log=False)
     DrainingServer(config).run()
+    if app.state.serve.load_error:
+        sys.exit(1)
 
 
 __all__ = ["Settings", "create_app", "serve", "load_engine", "BodySizeLimit", "ServeState"]

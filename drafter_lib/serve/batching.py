@@ -161,7 +161,9 @@ class MicroBatcher:
         self._executor = self._executor or EngineThread()
         self._task = asyncio.create_task(self._loop(), name="micro-batcher")
 
-    async def stop(self) -> None:
+    async def stop(self, wait: bool = True) -> None:
+        """Fail what still waits and stop the worker; wait=False leaves a busy worker (a daemon) to the process
+        exit, e.g. a model still loading."""
         self._closed = True
         if self._task is not None:
             self._task.cancel()
@@ -174,7 +176,7 @@ class MicroBatcher:
             if not p.future.done():
                 p.future.set_exception(Overloaded("shutting_down", "server is shutting down"))
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=wait)
 
     async def call_in_worker(self, fn, *args):
         """Run `fn` on the engine's thread (anything else that touches the engine, e.g. info())."""

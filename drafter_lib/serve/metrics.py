@@ -1,18 +1,65 @@
-"""Server metrics: GET /metrics (Prometheus text format 0.0.4) and the `metrics` block of GET /info.
+"""Server metrics with `prometheus_client`: GET /metrics and the `metrics` block of GET /info.
 
-Queue depth, in-flight requests, answers by status code, rejections (queue full, timeout, draining), batch sizes
-(histogram), /draft latency percentiles (over the last `window` answered requests), prefix-cache hit rate, bytes
-and evictions, and the process's resident memory. Read on the event loop without touching the engine's thread:
-the engine's `cache_info()` and the batcher's counters are plain numbers.
+Names follow vLLM's style (`vllm:e2e_request_latency_seconds`, `vllm:num_requests_waiting`, ...) under the
+`specdraft:` prefix: snake case, base units, `_seconds` / `_bytes` / `_total` suffixes.
+
+Observed per request (app.py calls `observe` for every /draft answer and `observe_draft` for each 200):
+  specdraft:requests_total{status, reason}      counter: /draft answers by HTTP status; `reason` for 503s
+                                                (queue_full, timeout, draining, shutting_down), "" otherwise
+  specdraft:request_latency_seconds             histogram: end-to-end /draft latency of answered (200) requests
+  specdraft:request_queue_time_seconds          histogram: time an answered request waited for its batch
+  specdraft:draft_tokens                        histogram: draft length of each answer
+  specdraft:prefix_cache_hit_tokens             histogram: context tokens of each answer served from the prefix cache
+
+Read at scrape time from what `bind` gave (the batcher's and the engine's counters are plain numbers, read on the
+event loop without touching the engine's thread):
+  specdraft:batch_size                          histogram: requests per engine forward batch (one observation per
+                                                batch, from MicroBatcher.batch_sizes)
+  specdraft:num_requests_waiting / _running     gauges: queued for a batch / in a running batch (in flight = sum)
+  specdraft:draining                            gauge: 1 while shutting down (new requests get 503)
+  specdraft:prefix_cache_{bytes,peak_bytes,max_bytes,entries}            gauges
+  specdraft:prefix_cache_{lookups,hits,reused_tokens,evictions}_total,
+  specdraft:computed_tokens_total                                        counters (the engine's own)
+  process_resident_memory_bytes and the rest of prometheus_client's ProcessCollector (Linux)
+
+Each `Metrics` owns its `CollectorRegistry` (never the global default one), so several apps in one process do not
+share or collide.
 """
 from __future__ import annotations
 
+import math
 import os
-import time
-from collections import Counter, deque
+from collections.abc import Callable
 
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, ProcessCollector
+from prometheus_client import generate_latest as _generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+PREFIX = "specdraft:"
+# /draft answers take a few ms to a few tens of ms; the tail reaches REQUEST_TIMEOUT_S (30 s by default) under
+# overload.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0, 30.0)
+QUEUE_BUCKETS = (0.0005,) + LATENCY_BUCKETS  # most waits are below BATCH_WINDOW_MS (20 ms)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # MAX_BATCH is 32 by default
+DRAFT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # num_draft_tokens is 1..64, default 16
+CACHE_HIT_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # 0: a miss
+REASONS = ("queue_full", "timeout", "draining", "shutting_down")  # the 503s (batching.Overloaded, app.py)
 QUANTILES = (0.5, 0.9, 0.99)
+# engine.cache_info() key -> (metric name, help), read at scrape time
+CACHE_GAUGES = {
+    "cached_bytes": ("prefix_cache_bytes", "Bytes of K/V held by the prefix cache."),
+    "peak_cache_bytes": ("prefix_cache_peak_bytes", "Most bytes the prefix cache ever held."),
+    "max_cache_bytes": ("prefix_cache_max_bytes", "The prefix cache's bound (MAX_CACHE_MB)."),
+    "entries": ("prefix_cache_entries", "Cached prefixes."),
+}
+CACHE_COUNTERS = {  # exposed with a _total suffix
+    "requests": ("prefix_cache_lookups", "Prefix-cache lookups (one per request the engine ran)."),
+    "cache_hits": ("prefix_cache_hits", "Lookups that reused a cached prefix."),
+    "reused_tokens": ("prefix_cache_reused_tokens", "Context tokens served from the prefix cache."),
+    "evictions": ("prefix_cache_evictions", "Entries evicted to stay within the bound."),
+    "computed_tokens": ("computed_tokens", "Tokens run through the model."),
+}
 
 
 def rss_bytes() -> int | None:
@@ -23,90 +70,178 @@ def rss_bytes() -> int | None:
         return None
 
 
-def _quantile(sorted_xs: list[float], q: float) -> float | None:
-    if not sorted_xs:
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """The q-quantile of cumulative `buckets` [(upper bound, count), ..., (inf, total)], interpolated linearly
+    inside its bucket as Prometheus's histogram_quantile does (the upper bound of the last finite bucket when it
+    falls in +Inf); None without observations."""
+    total = buckets[-1][1] if buckets else 0
+    if total <= 0:
         return None
-    return sorted_xs[min(len(sorted_xs) - 1, max(0, round(q * (len(sorted_xs) - 1))))]
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if math.isinf(upper):
+                return lower
+            if count == below:
+                return upper
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
+def _families(metric) -> dict[str, list]:
+    """The samples of a prometheus_client metric, by sample name."""
+    out: dict[str, list] = {}
+    for family in metric.collect():
+        for s in family.samples:
+            out.setdefault(s.name, []).append(s)
+    return out
+
+
+def _histogram_stats(hist: Histogram, scale: float = 1.0, digits: int = 3) -> dict:
+    """Percentiles, count and mean of an unlabelled histogram, its values times `scale`."""
+    buckets, count, total = [], 0.0, 0.0
+    for samples in _families(hist).values():
+        for s in samples:
+            if s.name.endswith("_bucket"):
+                buckets.append((float(s.labels["le"]), s.value))
+            elif s.name.endswith("_count"):
+                count = s.value
+            elif s.name.endswith("_sum"):
+                total = s.value
+    buckets.sort()
+
+    def r(v):
+        return None if v is None else round(v * scale, digits)
+
+    return {f"p{round(q * 100)}": r(histogram_quantile(q, buckets)) for q in QUANTILES} | {
+        "count": int(count), "mean": r(total / count) if count else None}
+
+
+class _ServerState:
+    """The collector of what is read at scrape time: the batcher's queue and batch sizes, draining, and the
+    engine's prefix-cache counters. Yields nothing until bound."""
+
+    def __init__(self):
+        self.bound = False
+        self.batcher = None
+        self.engine = None
+        self.draining: Callable[[], bool] = lambda: False
+
+    def current_engine(self):
+        e = self.engine
+        return e() if callable(e) and not hasattr(e, "cache_info") else e
+
+    def collect(self):
+        if not self.bound:
+            return
+        b = self.batcher
+        if b is not None:
+            waiting, inflight = int(b.queue_depth), int(b.inflight)
+            yield GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests waiting for a batch (bounded by "
+                                    "MAX_QUEUE).", value=waiting)
+            yield GaugeMetricFamily(PREFIX + "num_requests_running", "Requests in a running engine batch "
+                                    "(in flight = waiting + running).", value=max(0, inflight - waiting))
+            sizes = dict(b.batch_sizes)
+            cumulative = [(str(float(le)), sum(n for size, n in sizes.items() if size <= le)) for le in BATCH_BUCKETS]
+            yield HistogramMetricFamily(PREFIX + "batch_size", "Requests per engine forward batch.",
+                                        buckets=cumulative + [("+Inf", sum(sizes.values()))],
+                                        sum_value=sum(size * n for size, n in sizes.items()))
+        yield GaugeMetricFamily(PREFIX + "draining", "1 while shutting down (new requests get 503).",
+                                value=int(bool(self.draining())))
+        engine = self.current_engine()
+        cache = engine.cache_info() if hasattr(engine, "cache_info") else {}
+        for key, (name, doc) in CACHE_GAUGES.items():
+            if cache.get(key) is not None:
+                yield GaugeMetricFamily(PREFIX + name, doc, value=cache[key])
+        for key, (name, doc) in CACHE_COUNTERS.items():
+            if cache.get(key) is not None:
+                yield CounterMetricFamily(PREFIX + name, doc, value=cache[key])
 
 
 class Metrics:
-    def __init__(self, window: int = 2048):
-        self.codes: Counter[int] = Counter()  # /draft answers by HTTP status
-        self.rejected: Counter[str] = Counter()  # 503s by reason
-        self.latencies: deque[float] = deque(maxlen=window)  # seconds, answered 200
-        self.latency_sum = 0.0
-        self.started = time.time()
+    """One app's metrics: `observe` / `observe_draft` per request, `bind` once the batcher and engine exist, then
+    `exposition()` for GET /metrics and `snapshot()` for GET /info."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        self.requests = Counter(PREFIX + "requests", "POST /draft answers by HTTP status (reason: why a 503).",
+                                ["status", "reason"], registry=reg)
+        self.latency = Histogram(PREFIX + "request_latency_seconds", "End-to-end POST /draft latency of answered "
+                                 "(200) requests.", buckets=LATENCY_BUCKETS, registry=reg)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds", "Time an answered request waited for "
+                                    "its batch.", buckets=QUEUE_BUCKETS, registry=reg)
+        self.draft_tokens = Histogram(PREFIX + "draft_tokens", "Draft tokens per answered request.",
+                                      buckets=DRAFT_BUCKETS, registry=reg)
+        self.cache_hit_tokens = Histogram(PREFIX + "prefix_cache_hit_tokens", "Context tokens of an answered "
+                                          "request served from the prefix cache.", buckets=CACHE_HIT_BUCKETS,
+                                          registry=reg)
+        self.requests.labels(status="200", reason="")  # known series start at 0, so rate() sees their first one
+        for reason in REASONS:
+            self.requests.labels(status="503", reason=reason)
+        self._state = _ServerState()
+        reg.register(self._state)
+        ProcessCollector(registry=reg)  # process_resident_memory_bytes etc. (Linux: it yields nothing without /proc)
+
+    def bind(self, batcher, engine, draining: Callable[[], bool] | None = None) -> None:
+        """What the scrape-time gauges read: the MicroBatcher; the engine (its `cache_info()`), or a function
+        returning it (None while it loads: no cache metrics then); a function saying whether the server drains."""
+        self._state.batcher, self._state.engine, self._state.bound = batcher, engine, True
+        if draining is not None:
+            self._state.draining = draining
 
     def observe(self, status: int, seconds: float, reason: str | None = None) -> None:
-        self.codes[status] += 1
-        if reason is not None:
-            self.rejected[reason] += 1
+        """Every /draft answer: its HTTP status, the seconds it took, and for a 503 the reason."""
+        self.requests.labels(status=str(status), reason=reason or "").inc()
         if status == 200:
-            self.latencies.append(seconds)
-            self.latency_sum += seconds
+            self.latency.observe(seconds)
 
-    def snapshot(self, batcher, engine, draining: bool = False) -> dict:
-        lat = sorted(self.latencies)
-        cache = engine.cache_info() if hasattr(engine, "cache_info") else {}
+    def observe_draft(self, queue_s: float, draft_len: int, cached_tokens: int | None) -> None:
+        """Each 200 answer: seconds it waited for its batch, its draft length, and its context tokens served from
+        the prefix cache (None: the engine does not say)."""
+        self.queue_time.observe(max(0.0, queue_s))
+        self.draft_tokens.observe(draft_len)
+        if cached_tokens is not None:
+            self.cache_hit_tokens.observe(cached_tokens)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """GET /metrics: (body, content type) in the Prometheus text format."""
+        return _generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def snapshot(self, batcher=None, engine=None, draining: bool | None = None) -> dict:
+        """GET /info's `metrics` block, JSON-ready; arguments override what `bind` gave. Latency and queue-time
+        percentiles are estimated from the histograms' buckets (cumulative since start, interpolated within a
+        bucket as Prometheus's histogram_quantile does)."""
+        batcher = batcher if batcher is not None else self._state.batcher
+        engine = engine if engine is not None else self._state.current_engine()
+        draining = bool(self._state.draining()) if draining is None else draining
+        responses: dict[str, float] = {}
+        rejected = dict.fromkeys(REASONS, 0)
+        for s in _families(self.requests).get(PREFIX + "requests_total", []):
+            status, reason = s.labels["status"], s.labels["reason"]
+            responses[status] = responses.get(status, 0) + int(s.value)
+            if reason:
+                rejected[reason] = rejected.get(reason, 0) + int(s.value)
+        cache = dict(engine.cache_info()) if hasattr(engine, "cache_info") else {}
         lookups = cache.get("requests", 0)
+        queue = {} if batcher is None else {
+            "queue_depth": batcher.queue_depth, "inflight": batcher.inflight, "max_queue": batcher.max_queue,
+            "request_timeout_s": batcher.request_timeout_s}
         return {
-            "queue_depth": batcher.queue_depth, "inflight": batcher.inflight, "draining": draining,
-            "max_queue": batcher.max_queue, "request_timeout_s": batcher.request_timeout_s,
-            "responses": {str(k): v for k, v in sorted(self.codes.items())},
-            "rejected": {r: self.rejected.get(r, 0) for r in ("queue_full", "timeout", "draining", "shutting_down")},
-            "batch_sizes": {str(k): v for k, v in sorted(batcher.batch_sizes.items())},
-            "latency_ms": {f"p{round(q * 100)}": None if (v := _quantile(lat, q)) is None else round(v * 1e3, 3)
-                           for q in QUANTILES} | {"window": len(lat)},
+            **queue, "draining": draining,
+            "responses": {k: v for k, v in sorted(responses.items(), key=lambda kv: int(kv[0])) if v},
+            "rejected": rejected,
+            "batch_sizes": {} if batcher is None else {str(k): v for k, v in sorted(batcher.batch_sizes.items())},
+            "latency_ms": _histogram_stats(self.latency, 1e3),
+            "queue_ms": _histogram_stats(self.queue_time, 1e3),
+            "draft_tokens": {k: v for k, v in _histogram_stats(self.draft_tokens, 1.0, 2).items()
+                             if k in ("count", "mean")},  # whole numbers: interpolated percentiles would mislead
             "cache": {**cache, "hit_rate": (cache.get("cache_hits", 0) / lookups) if lookups else None},
             "rss_bytes": rss_bytes(),
         }
 
-    def prometheus(self, batcher, engine, draining: bool = False) -> str:
-        s = self.snapshot(batcher, engine, draining)
-        out: list[str] = []
 
-        def metric(name, kind, help_, samples, suffix=""):
-            out.append(f"# HELP specdraft_{name} {help_}")
-            out.append(f"# TYPE specdraft_{name} {kind}")
-            for labels, value in samples:
-                lab = "{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else ""
-                out.append(f"specdraft_{name}{suffix}{lab} {value}")
-
-        metric("queue_depth", "gauge", "Requests waiting for a batch (bounded by MAX_QUEUE).", [({}, s["queue_depth"])])
-        metric("inflight_requests", "gauge", "Draft requests submitted and not yet answered.", [({}, s["inflight"])])
-        metric("draining", "gauge", "1 while shutting down (new requests get 503).", [({}, int(draining))])
-        metric("responses_total", "counter", "POST /draft answers by HTTP status code.",
-               [({"code": c}, n) for c, n in s["responses"].items()])
-        metric("rejected_total", "counter", "POST /draft answered 503, by reason.",
-               [({"reason": r}, n) for r, n in s["rejected"].items()])
-        sizes = batcher.batch_sizes
-        buckets = [({"le": str(b)}, sum(n for size, n in sizes.items() if size <= b)) for b in BATCH_BUCKETS]
-        buckets.append(({"le": "+Inf"}, sum(sizes.values())))
-        metric("batch_size", "histogram", "Requests per engine forward batch.", buckets, suffix="_bucket")
-        out.append(f"specdraft_batch_size_sum {sum(size * n for size, n in sizes.items())}")
-        out.append(f"specdraft_batch_size_count {sum(sizes.values())}")
-        lat = sorted(self.latencies)
-        metric("request_latency_seconds", "summary", "POST /draft latency of answered requests (quantiles over the "
-               f"last {self.latencies.maxlen}).",
-               [({"quantile": str(q)}, "NaN" if (v := _quantile(lat, q)) is None else f"{v:.6f}") for q in QUANTILES])
-        out.append(f"specdraft_request_latency_seconds_sum {self.latency_sum:.6f}")
-        out.append(f"specdraft_request_latency_seconds_count {self.codes.get(200, 0)}")
-        c = s["cache"]
-        if c:
-            metric("cache_lookups_total", "counter", "Prefix-cache lookups (one per request).", [({}, c["requests"])])
-            metric("cache_hits_total", "counter", "Lookups that reused a cached prefix.", [({}, c["cache_hits"])])
-            metric("cache_hit_ratio", "gauge", "cache_hits_total / cache_lookups_total.",
-                   [({}, "NaN" if c["hit_rate"] is None else f"{c['hit_rate']:.6f}")])
-            metric("cache_reused_tokens_total", "counter", "Context tokens served from the cache.",
-                   [({}, c["reused_tokens"])])
-            metric("computed_tokens_total", "counter", "Tokens run through the model.", [({}, c["computed_tokens"])])
-            metric("cache_bytes", "gauge", "Bytes of K/V held by the prefix cache.", [({}, c["cached_bytes"])])
-            metric("cache_peak_bytes", "gauge", "Most bytes the prefix cache ever held.",
-                   [({}, c["peak_cache_bytes"])])
-            metric("cache_max_bytes", "gauge", "The prefix cache's bound (MAX_CACHE_MB).", [({}, c["max_cache_bytes"])])
-            metric("cache_entries", "gauge", "Cached prefixes.", [({}, c["entries"])])
-            metric("cache_evictions_total", "counter", "Entries evicted to stay within the bound.",
-                   [({}, c["evictions"])])
-        if s["rss_bytes"] is not None:
-            metric("resident_memory_bytes", "gauge", "Resident memory of the server process.", [({}, s["rss_bytes"])])
-        return "\n".join(out) + "\n"
+__all__ = ["Metrics", "histogram_quantile", "rss_bytes", "LATENCY_BUCKETS", "QUEUE_BUCKETS", "BATCH_BUCKETS",
+           "DRAFT_BUCKETS", "CACHE_HIT_BUCKETS", "REASONS"]

@@ -20,6 +20,11 @@ os.environ["SPECDRAFT_TARGET_LINEARS"] = "stock"
 # Nor does the engine build or time the half-rows kernel (a minute's build, and whole compiled steps timed); its
 # tests set "auto".
 os.environ["SPECDRAFT_HALF_ROWS"] = "0"
+# The server reads its settings from plain variables (HOST, PORT, API_KEY, ...): the machine's own must not leak
+# into the servers and apps the tests build; a test that wants one sets it.
+for _name in __import__("drafter_lib.serve.settings", fromlist=["Settings"]).Settings.model_fields:
+    for _var in (_name.upper(), _name.lower()):
+        os.environ.pop(_var, None)
 
 # The tiny Llama the quantization and packing tests share: group sizes 32/64 divide its 64/128 dims.
 TINY_LLAMA = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

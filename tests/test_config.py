@@ -4,6 +4,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from drafter_lib.common.layout import RunLayout
 from drafter_lib.model import hf_models
@@ -157,6 +158,7 @@ def test_full_preset_sizes_from_the_hub_config(monkeypatch):
     qwen = {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "attention_width": 2048,
             "vocab_size": 151936}
     monkeypatch.setattr(hf_models, "model_sizes", lambda spec, **kw: dict(qwen))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the full preset runs on a GPU
     assert C.build_config("full").quant.group_size == 128
     with pytest.raises(C.ConfigError, match="quant.group_size: 96 does not divide the drafter's hidden size 2048"):
         C.build_config("full", {"quant.group_size": 96})
@@ -164,6 +166,20 @@ def test_full_preset_sizes_from_the_hub_config(monkeypatch):
         C.build_config("full", {"study.keep_layers": "even:29"})
     monkeypatch.setattr(hf_models, "model_sizes", lambda spec, **kw: None)  # offline, not cached: skipped
     assert C.build_config("full", {"quant.group_size": 96}).quant.group_size == 96
+
+
+def test_the_device_must_be_on_this_machine(monkeypatch):
+    """study.device is checked against the machine before any stage runs, naming the key and the fix."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(C.ConfigError, match=r"study.device: 'cuda', but torch .* finds no CUDA device on this "
+                                            r"machine .*set study.device=cpu"):
+        C.build_config("smoke", {"study.device": "cuda"})
+    C.build_config("smoke", {"study.device": "cuda"}, check_models=False)  # a config for another machine
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert C.build_config("smoke", {"study.device": "cuda:1"}).study.device == "cuda:1"
+    for bad in ("cuda:2", "cuda:x"):
+        with pytest.raises(C.ConfigError, match=r"study.device: .* has 2 CUDA device\(s\): cuda:0..cuda:1"):
+            C.build_config("smoke", {"study.device": bad})
 
 
 def test_stage_hashes_follow_the_keys_each_stage_reads():

@@ -118,6 +118,23 @@ def _check_model_sizes(cfg: StudyConfig, allow_download: bool) -> None:
               f"that fit: {_fits([h], q.embed_bits)}")
 
 
+def _check_device(device: str) -> None:
+    """The study's device is on this machine (checked with the models: a config may be written on one machine and
+    run on another), so a run on the wrong machine stops before any stage instead of inside a notebook."""
+    import torch
+
+    kind, _, index = device.partition(":")
+    if kind == "cuda":
+        n = torch.cuda.device_count()
+        _need(n > 0, "study.device", f"{device!r}, but torch {torch.__version__} finds no CUDA device on this machine "
+              "(a CPU build of torch, or no GPU): set study.device=cpu, or run where a GPU is")
+        _need(not index or (index.isdigit() and int(index) < n), "study.device",
+              f"{device!r}, but this machine has {n} CUDA device(s): cuda:0..cuda:{n - 1}")
+    elif kind == "mps":
+        _need(torch.backends.mps.is_available(), "study.device",
+              f"{device!r}, but torch finds no Apple GPU (MPS) here: set study.device=cpu")
+
+
 def _check_heldout_files(entries) -> None:
     from drafter_lib.data.heldout import parse_entry
 
@@ -182,6 +199,7 @@ def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = Tr
     _need(e.group_by in GROUP_BY, "eval.group_by", f"expected one of {GROUP_BY}, got {e.group_by!r}")
     _check_heldout_files(e.heldout_files)
     if check_models:
+        _check_device(s.device)
         _check_model_sizes(cfg, allow_download)
 
 

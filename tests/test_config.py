@@ -168,6 +168,20 @@ def test_full_preset_sizes_from_the_hub_config(monkeypatch):
     assert C.build_config("full", {"quant.group_size": 96}).quant.group_size == 96
 
 
+@pytest.mark.parametrize("arch, act", [("gpt2", "gelu_new"), ("llama", "gelu"), ("mistral", "silu")])
+def test_the_drafter_base_must_be_an_architecture_the_engine_runs(monkeypatch, arch, act):
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "attention_width": 64,
+             "vocab_size": 259, "model_type": arch, "hidden_act": act}
+    monkeypatch.setattr(hf_models, "model_sizes", lambda spec, **kw: dict(sizes))
+    expected = rf"study.teacher: 'tiny-random:llama' is a '{arch}' model with '{act}' MLPs; the drafting engine runs "
+    with pytest.raises(C.ConfigError, match=expected + r"\['llama', 'qwen3'\]"):
+        C.build_config("smoke")
+    with pytest.raises(C.ConfigError, match="study.drafter_base: 'tiny-random:qwen3' is a"):
+        C.build_config("smoke", {"study.drafter_base": "tiny-random:qwen3"})
+    sizes.update(model_type="qwen3", hidden_act="silu")
+    assert C.build_config("smoke").study.teacher == "tiny-random:llama"
+
+
 def test_the_device_must_be_on_this_machine(monkeypatch):
     """study.device is checked against the machine before any stage runs, naming the key and the fix."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

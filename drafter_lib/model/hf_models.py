@@ -296,16 +296,16 @@ def _gguf_config(path: Path) -> dict:
     heads = val("llama.attention.head_count")
     return {"hidden_size": val("llama.embedding_length"), "intermediate_size": val("llama.feed_forward_length"),
             "num_hidden_layers": val("llama.block_count"), "num_attention_heads": heads,
-            "head_dim": val("llama.embedding_length") // heads, "vocab_size": val("llama.vocab_size")}
+            "head_dim": val("llama.embedding_length") // heads, "vocab_size": val("llama.vocab_size"),
+            "model_type": "llama"}
 
 
 def model_sizes(spec: str, revision: str | None = None, allow_download: bool = True) -> dict | None:
-    """{hidden_size, intermediate_size, num_hidden_layers, attention_width, vocab_size} of a model spec, read from
-    its HF config without loading weights (the default teacher: its converted copy's config.json, else the GGUF
-    metadata). None when a hub config is neither cached nor downloadable."""
+    """{hidden_size, intermediate_size, num_hidden_layers, attention_width, vocab_size, model_type, hidden_act} of
+    a model spec, read from its HF config without loading weights (the default teacher: its converted copy's
+    config.json, else the GGUF metadata, a llama). None when a hub config is neither cached nor downloadable."""
     if is_tiny_spec(spec):
-        tiny_arch(spec)
-        cfg = dict(TINY_SPEC_SIZES)
+        cfg = dict(TINY_SPEC_SIZES, model_type=tiny_arch(spec))
     else:
         kind, name, rev = parse_model_spec(spec, revision)
         if kind == "default":
@@ -326,7 +326,8 @@ def model_sizes(spec: str, revision: str | None = None, allow_download: bool = T
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return {"hidden_size": cfg["hidden_size"], "intermediate_size": cfg["intermediate_size"],
             "num_hidden_layers": cfg["num_hidden_layers"], "attention_width": heads * head_dim,
-            "vocab_size": cfg.get("vocab_size")}
+            "vocab_size": cfg.get("vocab_size"), "model_type": cfg.get("model_type"),
+            "hidden_act": cfg.get("hidden_act", "silu")}
 
 
 # --------------------------------------------------------------------------- layer pruning

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from drafter_lib.common.layout import resolve_shared_data
 from drafter_lib.common.overrides import ConfigError
+from drafter_lib.model.transformer import SUPPORTED_ARCHS
 from drafter_lib.packed.config_keys import ENGINE_DTYPES
 
 if TYPE_CHECKING:  # the config module calls these checks; only its type is named here
@@ -103,6 +104,10 @@ def _check_model_sizes(cfg: StudyConfig, allow_download: bool) -> None:
         print(f"[config] sizes of {spec!r} unknown (hub config not cached, offline): keep_layers and group sizes "
               "are checked when training starts")
         return
+    arch, act = sizes.get("model_type"), sizes.get("hidden_act", "silu")
+    _need(arch is None or (arch in SUPPORTED_ARCHS and act == "silu"), key,
+          f"{spec!r} is a {arch!r} model with {act!r} MLPs; the drafting engine runs {list(SUPPORTED_ARCHS)} with "
+          "'silu' MLPs: choose a drafter base of those (study.drafter_base), whose tokenizer is the target's")
     if s.keep_layers is not None:
         _keep(s.keep_layers, sizes["num_hidden_layers"], "study.keep_layers")
     dims = {"hidden size": sizes["hidden_size"], "attention width": sizes["attention_width"],

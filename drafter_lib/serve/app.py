@@ -38,6 +38,7 @@ from drafter_lib.common.checks import check_token_ids
 from drafter_lib.common.files import to_jsonable
 from drafter_lib.serve.auth import BearerAuth
 from drafter_lib.serve.batching import EngineThread, MicroBatcher, Overloaded
+from drafter_lib.serve.json_errors import send_json_error
 from drafter_lib.serve.logs import RequestIds, configure_logging
 from drafter_lib.serve.metrics import Metrics
 from drafter_lib.serve.schema import (
@@ -66,6 +67,17 @@ class ServeState:
     draining: bool = False
     inflight: int = 0  # POST /draft requests inside the handler
     metrics: Metrics = field(default_factory=Metrics)
+
+    def ready(self, engine, load_s: float) -> None:
+        """The drafter the routes use from now on."""
+        self.run_batch, self.load_s = _trimming(engine), load_s
+        self.engine = engine  # last: a route that sees it finds run_batch set
+
+    @property
+    def status(self) -> str:
+        """What /health says: ok, starting, failed (to load) or draining."""
+        return ("draining" if self.draining else "failed" if self.load_error else
+                "starting" if self.engine is None else "ok")
 
 
 # ---------------------------------------------------------------- body size limit (ASGI middleware)
@@ -117,11 +129,7 @@ class BodySizeLimit:
 
 
 async def _send_error(send, status: int, message: str) -> None:
-    body = json.dumps({"error": message}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
+    await send_json_error(send, status, message, ((b"connection", b"close"),))  # the rest of the body is unread
 
 
 # ---------------------------------------------------------------- app
@@ -196,9 +204,7 @@ def _load_into(state: ServeState, settings: Settings) -> None:
         state.load_error = f"{type(e).__name__}: {e}"
         log.exception("loading the drafter failed; stopping")
         return
-    state.load_s = time.perf_counter() - t0
-    state.run_batch = _trimming(engine)
-    state.engine = engine
+    state.ready(engine, time.perf_counter() - t0)
     log.info("ready in %.1f s: %s weights, %d-token vocabulary, context %d", state.load_s,
              getattr(engine, "dtype", "?"), engine.vocab_size, engine.max_context)
 
@@ -211,7 +217,7 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
     state = ServeState()
     if engine is not None:
         limits = Limits(int(engine.vocab_size), int(engine.max_context))
-        state.engine, state.run_batch, state.load_s = engine, _trimming(engine), 0.0
+        state.ready(engine, 0.0)
     else:
         limits = limits_of_dir(settings.model_dir)
         thread.submit(_load_into, state, settings)
@@ -315,9 +321,7 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
     @app.get("/health", response_model=Health, responses={503: {"model": Health, "headers": error_responses(503)[
         503]["headers"], "description": "Starting, failed to load, or shutting down: not in rotation."}})
     async def health():
-        up = round(time.time() - started, 3)
-        status = "draining" if state.draining else "failed" if state.load_error else \
-            "starting" if state.engine is None else "ok"
+        up, status = round(time.time() - started, 3), state.status
         if status != "ok":
             return JSONResponse(status_code=503, content={"status": status, "uptime_s": up},
                                 headers={"Retry-After": "1"})
@@ -337,8 +341,8 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
         machine paths)."""
         eng = state.engine
         if eng is None:
-            return _error(503, "the drafter is still loading" if not state.load_error else "the drafter failed to "
-                          "load", headers={"Retry-After": "1"})
+            return _error(503, "the drafter failed to load" if state.load_error else "the drafter is still loading",
+                          headers={"Retry-After": "1"})
         try:  # on the engine's own thread: info() may walk what the worker mutates
             engine_info = await batcher.call_in_worker(eng.info)
         except Exception as e:  # noqa: BLE001 - metadata must not take the server down

@@ -6,7 +6,8 @@ key nearly matched), and never logged. A missing or wrong key gets 401 with `WWW
 from __future__ import annotations
 
 import hmac
-import json
+
+from drafter_lib.serve.json_errors import send_json_error
 
 OPEN_PATHS = ("/health",)  # a load balancer's probe needs no key
 
@@ -30,8 +31,5 @@ class BearerAuth:
         if scope["type"] != "http" or not self.keys or scope.get("path") in OPEN_PATHS \
                 or self.allowed(scope.get("headers") or []):
             return await self.app(scope, receive, send)
-        body = json.dumps({"error": "missing or invalid API key: send 'Authorization: Bearer <key>'"}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
-                                (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await send_json_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                              ((b"www-authenticate", b"Bearer"),))

@@ -15,6 +15,8 @@ import sys
 import time
 import uuid
 
+from drafter_lib.serve.json_errors import send_json_error
+
 REQUEST_ID_HEADER = "x-request-id"
 _SANE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
@@ -101,11 +103,8 @@ class RequestIds:
             error_log.exception("unexpected error on %s %s", scope.get("method"), scope.get("path"))
             if status["code"] is not None:  # the answer had begun: nothing clean left to send
                 raise
-            body = json.dumps({"error": f"internal error (request id {rid}); the server log has the details"})
-            await send_with_id({"type": "http.response.start", "status": 500,
-                                "headers": [(b"content-type", b"application/json"),
-                                            (b"content-length", str(len(body)).encode())]})
-            await send({"type": "http.response.body", "body": body.encode()})
+            await send_json_error(send_with_id, 500, f"internal error (request id {rid}); the server log has the "
+                                  "details")
         finally:
             ms = (time.perf_counter() - t0) * 1e3
             access_log.info("%s %s %s %.1f ms", scope.get("method"), scope.get("path"), status["code"], ms,

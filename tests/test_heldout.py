@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from drafter_lib.common.files import sha256_file
-from drafter_lib.common.layout import REPO_ROOT, SHARED_DATA_DEFAULT
+from drafter_lib.common.layout import REPO_ROOT, resolve_shared_data
 from drafter_lib.data import heldout as H
 from drafter_lib.study import config as C
 
@@ -113,16 +113,21 @@ def test_overlap_check_finds_shared_ids_texts_and_13_grams():
 
 
 def test_heldout_sets_never_overlap_the_training_prompts():
-    """Every default held-out set against the default study's training sources: the synthetic families and, where
-    present, the shared corpora (t0, gsm8k train, self-instruct)."""
+    """Every default held-out set against the default study's training sources: the synthetic families and the
+    shared corpora of the default mixture (t0, gsm8k train, self-instruct), read as the default study reads them
+    (data.shared_data "auto": the vendored copies in data/corpora/, so this runs on every machine)."""
     from drafter_lib.data import corpora as data
 
     held, _ = H.load_heldout_sets(C.DEFAULT_HELDOUT_FILES)
-    shared = SHARED_DATA_DEFAULT if SHARED_DATA_DEFAULT.is_dir() else None
+    cfg = C.DataConfig()
+    sources = data.default_sources(resolve_shared_data(cfg.shared_data), synthetic_n=cfg.synthetic_n,
+                                   humaneval=False, corpora=data.corpora_for(cfg.source_weights))
+    assert {s["name"] for s in sources if s["kind"] == "file"} == set(data.DEFAULT_CORPORA)
     train = []
-    for src in data.default_sources(shared, synthetic_n=C.DataConfig().synthetic_n, humaneval=False):
+    for src in sources:
         train += data.load_source(src)[0]
-    assert len(train) >= C.DataConfig().synthetic_n
+    assert {r["corpus"] for r in train} == {"synthetic", *data.DEFAULT_CORPORA}
+    assert len(train) >= cfg.synthetic_n
     assert H.training_overlap(held, train) == []
 
 

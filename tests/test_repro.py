@@ -138,6 +138,67 @@ def test_file_corpora_and_model_dirs(tmp_path):
     assert [c.key for c in verify.verify_model_dir(md).mismatches] == ["files[quantization.json].sha256"]
 
 
+def _vendored_corpus_run(tmp_path: Path, shared_data=None) -> tuple[Path, dict]:
+    """A hand-built run whose architecture.json records a shared corpus as the study does (`load_source` of the
+    vendored copy: source file:<name>.jsonl, input_sha256 of the original JSONL), with data.shared_data as given."""
+    from drafter_lib.common.files import write_json
+    from drafter_lib.common.layout import VENDORED_CORPORA_DIR
+    from drafter_lib.data.corpora import load_source, write_architecture
+
+    _, prov = load_source({"name": "self_instruct_seed_tasks", "kind": "file",
+                           "path": str(VENDORED_CORPORA_DIR / "self_instruct_seed_tasks.jsonl.xz")})
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    (run / "data" / "train.jsonl").write_text('{"id": "1"}\n')
+    write_architecture(run / "architecture.json", corpora=[prov], models=[],
+                       prompt_files=[run / "data" / "train.jsonl"])
+    if shared_data is not None:
+        write_json(run / "study_config.json", {"preset": "default", "config": {"data": {"shared_data": shared_data}}})
+    return run, prov
+
+
+@pytest.mark.parametrize("setting", [None, "auto", "gone/shared/data"])
+def test_shared_corpus_verified_against_vendored_copy(tmp_path, monkeypatch, setting):
+    """No ../shared/data, no --data-dir that holds it, whatever the run's data.shared_data: the corpus recorded as
+    file:<name>.jsonl is checked against data/corpora/<name>.jsonl.xz, by the sha256 of its decompressed bytes."""
+    monkeypatch.setattr(verify, "SHARED_DATA_DEFAULT", tmp_path / "no_shared" / "data")
+    run, prov = _vendored_corpus_run(tmp_path, None if setting is None else
+                                     "auto" if setting == "auto" else str(tmp_path / setting))
+    assert prov["source"] == "file:self_instruct_seed_tasks.jsonl"
+    rep = verify.verify_run(run, corpus_dirs=[tmp_path / "nowhere"], teacher_weights=False)
+    assert rep.ok, "\n".join(rep.lines())
+    c = next(c for c in rep.checks if c.key == "corpora[self_instruct_seed_tasks].input_sha256")
+    assert c.file == "data/corpora/self_instruct_seed_tasks.jsonl.xz"
+    assert c.actual == c.recorded == prov["input_sha256"]
+    assert verify.main([str(run), "--no-teacher-weights", "--data-dir", str(tmp_path / "nowhere")]) == 0
+
+
+def test_corrupted_vendored_corpus_is_named(tmp_path, monkeypatch, capsys):
+    """A vendored copy that no longer matches data/corpora/manifest.json: reported with CorpusIntegrityError's
+    message (the file, the hash that differs, how to restore it), and the run fails to verify."""
+    from drafter_lib.common.layout import VENDORED_CORPORA_DIR
+    from drafter_lib.data.vendored import CorpusIntegrityError, read_verified
+
+    corpora = Path(shutil.copytree(VENDORED_CORPORA_DIR, tmp_path / "corpora"))
+    monkeypatch.setattr(verify, "VENDORED_CORPORA_DIR", corpora)
+    monkeypatch.setattr(verify, "SHARED_DATA_DEFAULT", tmp_path / "no_shared" / "data")
+    run, prov = _vendored_corpus_run(tmp_path)
+    assert verify.verify_run(run, teacher_weights=False).ok  # the intact copy
+    bad = corpora / "self_instruct_seed_tasks.jsonl.xz"
+    _flip(bad, 100)
+    with pytest.raises(CorpusIntegrityError) as err:
+        read_verified(bad)
+    rep = verify.verify_run(run, teacher_weights=False)
+    assert [(c.record, c.key) for c in rep.mismatches] == [
+        ("architecture.json", "corpora[self_instruct_seed_tasks].input_sha256")]
+    mm = rep.mismatches[0]
+    assert mm.actual is None and mm.recorded == prov["input_sha256"]
+    assert mm.note == f"corrupted: {err.value}" and "differs from the manifest" in mm.note and str(bad) in mm.note
+    assert verify.main([str(run), "--no-teacher-weights"]) == 1
+    out = capsys.readouterr().out
+    assert "UNREADABLE" in out and str(err.value) in out
+
+
 # ------------------------------------------------------------------------------------------------ no machine paths
 
 ARTIFACTS = ["architecture.json", "teacher/targets.jsonl.meta.json", "model/manifest.json", "model/config.json",

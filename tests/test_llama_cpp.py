@@ -1,0 +1,127 @@
+"""llama.cpp as a target (`LlamaCppTarget`) and this drafter behind llama-cpp-python's `draft_model` hook, on the
+default teacher's own GGUF and the shipped pack. Skipped where the `llama-cpp` extra is not installed."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (pip install '.[llama-cpp]')")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from bench.llama_cpp_rows import Recorded, greedy_by_pass  # noqa: E402
+from drafter_lib.common.chat import encode_chat, stop_token_ids  # noqa: E402
+from drafter_lib.decoding.llama_cpp_target import LlamaCppTarget, load_llama  # noqa: E402
+from drafter_lib.decoding.speculative import speculative_generate  # noqa: E402
+from drafter_lib.interop.llama_cpp_draft import SpecdraftDraftModel  # noqa: E402
+
+QUESTIONS = ["Explain why the sky is blue in three sentences.",
+             "Write a Python function that returns the n-th Fibonacci number.",
+             "List three differences between a list and a tuple in Python."]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from drafter_lib.engine.draft_engine import DraftEngine
+    from drafter_lib.model import hf_models
+
+    tok = hf_models.default_tokenizer()
+    gguf = hf_models.default_teacher_gguf()
+    target = LlamaCppTarget(gguf, n_ctx=1024)
+    engine = DraftEngine.from_dir(ROOT / "model")
+    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    yield {"tok": tok, "gguf": gguf, "target": target, "engine": engine, "prompts": prompts,
+           "stop": stop_token_ids(tok)}
+    target.close()
+
+
+def test_rollback_restores_the_cache(setup):
+    """Logits after a rolled-back pass equal those of the same pass on the same prefix: the rejected tail's K/V is
+    gone from llama.cpp's memory."""
+    t, p = setup["target"], setup["prompts"][0]
+    t.reset()
+    first = t.score(p, keep=1)
+    assert first.shape == (1, t.vocab_size) and t.cached_len == len(p)
+    draft = [int(first.argmax()), 13, 42, 7]
+    a = t.score(draft, keep=len(draft))
+    t.rollback(len(p))
+    assert t.cached_len == len(p)
+    t.score([99, 98], keep=2)  # something else in the rejected slots
+    t.rollback(len(p))
+    b = t.score(draft, keep=len(draft))
+    assert a.shape == (4, t.vocab_size)
+    assert np.array_equal(a.numpy(), b.numpy())
+    with pytest.raises(ValueError, match="roll back"):
+        t.rollback(t.cached_len + 1)
+
+
+def test_plain_decoding_equals_llama_cpp_pythons_own(setup):
+    """This target's one-token loop gives llama-cpp-python's greedy `generate` tokens (the same passes)."""
+    t, stop = setup["target"], setup["stop"]
+    llm = load_llama(setup["gguf"], n_ctx=1024)
+    try:
+        for p in setup["prompts"]:
+            mine = speculative_generate(t, p, 48, None, stop_ids=stop).tokens
+            llm.reset()
+            theirs = []
+            for tok in llm.generate(p, top_k=1, temp=0.0, repeat_penalty=1.0):
+                theirs.append(int(tok))
+                if tok in stop or len(theirs) >= 48:
+                    break
+            assert mine == theirs
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_every_token_is_the_greedy_choice_of_its_pass(setup, k):
+    """Lossless on llama.cpp: rebuilt from the recorded passes alone (each pass's greedy tokens and the draft it
+    checked), the output is the accepted draft prefix plus the pass's next greedy token, pass after pass."""
+    rec = Recorded(setup["target"])
+    for p in setup["prompts"]:
+        r = speculative_generate(rec, p, 64, setup["engine"], k=k, stop_ids=setup["stop"])
+        tokens, margins = greedy_by_pass(rec.runs[-1])
+        assert tokens[:len(r.tokens)] == r.tokens and len(margins) == len(tokens)
+        assert r.steps == len(rec.runs[-1]) and max(r.draft_lengths) <= k
+        if k > 1:
+            assert r.mean_acceptance_length > 1.0  # the drafter's tokens are taken, not just checked
+
+
+def test_the_draft_model_hook_drafts_with_the_engine(setup):
+    """SpecdraftDraftModel answers the hook with the engine's draft as intc ids, and llama-cpp-python's own loop
+    runs with it: the hook is called, and the text is the teacher's answer, not noise."""
+    engine, p = setup["engine"], setup["prompts"][0]
+    hook = SpecdraftDraftModel(engine, k=8, min_confidence=0.0)
+    ids = np.asarray(p, dtype=np.intc)
+    d = hook(ids)
+    assert d.dtype == np.intc and d.tolist() == list(engine.draft(p, 8, min_confidence=0.0))
+    llm = load_llama(setup["gguf"], n_ctx=1024, draft_model=hook)
+    try:
+        out = llm.create_completion(p, max_tokens=40, temperature=0.0, top_k=1, repeat_penalty=1.0)
+    finally:
+        llm.close()
+    assert hook.calls > 1
+    assert "blue" in out["choices"][0]["text"].lower() or "scatter" in out["choices"][0]["text"].lower()
+    with pytest.raises(ValueError, match="k must be"):
+        SpecdraftDraftModel(engine, k=0)
+
+
+def test_the_draft_model_hook_over_http(setup, tmp_path):
+    """From a real server on 127.0.0.1: the hook's drafts equal the engine's, with the request's min_confidence."""
+    from server_helpers import ServerProcess
+
+    p = setup["prompts"][1]
+    import torch
+
+    with ServerProcess(ROOT / "model", tmp_path / "server.log", via_serve_sh=False,
+                       OMP_NUM_THREADS=torch.get_num_threads()) as srv:
+        srv.wait_ready(600)
+        for c in (0.0, 0.4):
+            hook = SpecdraftDraftModel.from_server(srv.url, k=16, min_confidence=c)
+            assert hook(np.asarray(p, dtype=np.intc)).tolist() == list(setup["engine"].draft(p, 16,
+                                                                                              min_confidence=c))

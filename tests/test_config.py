@@ -159,12 +159,16 @@ def test_full_preset_sizes_from_the_hub_config(monkeypatch):
             "vocab_size": 151936}
     monkeypatch.setattr(hf_models, "model_sizes", lambda spec, **kw: dict(qwen))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the full preset runs on a GPU
+    monkeypatch.setattr(hf_models, "hub_files_cached", lambda *a, **k: True)  # its pinned files, as if downloaded
+    from drafter_lib.decoding import vllm_backend
+
+    monkeypatch.setattr(vllm_backend, "vllm_installed", lambda: True)  # its teacher backend
     assert C.build_config("full").quant.group_size == 128
     with pytest.raises(C.ConfigError, match="quant.group_size: 96 does not divide the drafter's hidden size 2048"):
         C.build_config("full", {"quant.group_size": 96})
     with pytest.raises(C.ConfigError, match="study.keep_layers"):
         C.build_config("full", {"study.keep_layers": "even:29"})
-    monkeypatch.setattr(hf_models, "model_sizes", lambda spec, **kw: None)  # offline, not cached: skipped
+    monkeypatch.setattr(hf_models, "model_sizes", lambda spec, **kw: None)  # config not readable: sizes skipped
     assert C.build_config("full", {"quant.group_size": 96}).quant.group_size == 96
 
 

@@ -9,7 +9,10 @@ cut at the first stop token, and with top_k > 0 the teacher's top-K log-probabil
             worth it where the CPU has fast kernels for it, and only where its tokens equal the fp32 ones
             (bench/teacher.py measures both).
   "hf":     `transformers` generate with left padding, one static batch at a time - for architectures/devices
-            the native path lacks (GPU).
+            the native path lacks (GPU). With top_k > 0 a logits processor keeps each step's top-K and lets the
+            step's full-vocabulary logits go (`TopKRecorder`): what it holds grows as steps x batch x K.
+  "vllm":   vLLM's offline engine (`drafter_lib.decoding.vllm_backend`), GPU only, tensor parallel across GPUs;
+            vllm is imported only when this backend is made.
 """
 from __future__ import annotations
 
@@ -20,9 +23,41 @@ import torch
 from drafter_lib.common.chat import cut_at_stop
 from drafter_lib.decoding.generate import Finished, topk_logprobs
 
-__all__ = ["HFBackend", "NativeBackend", "make_backend", "NATIVE_DTYPES"]
+__all__ = ["HFBackend", "NativeBackend", "TopKRecorder", "make_backend", "NATIVE_DTYPES", "BACKEND_NAMES"]
 
 NATIVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BACKEND_NAMES = ("auto", "native", "hf", "vllm")
+
+
+class TopKRecorder:
+    """A logits processor for `generate` that records, at each step, the top-K (ids int32, log-probs float32) of
+    the scores it is handed and returns them unchanged; the step's [batch, vocab] logits are not kept. With greedy
+    decoding and no other processor (HFBackend passes do_sample=False and no sampling settings) those scores are
+    the raw logits, the ones `output_logits=True` would have stored for every step.
+
+    ids[j] / logprobs[j]: [batch, K] of generated position j (j = input length - prompt width)."""
+
+    def __init__(self, k: int, prompt_width: int):
+        self.k, self.prompt_width = k, prompt_width
+        self.ids: list[torch.Tensor] = []
+        self.logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        step = input_ids.shape[1] - self.prompt_width
+        if step != len(self.ids):
+            raise RuntimeError(f"TopKRecorder: called for step {step} after {len(self.ids)} recorded steps")
+        sid, slp = topk_logprobs(scores, self.k)
+        self.ids.append(sid)
+        self.logprobs.append(slp)
+        return scores
+
+    def row(self, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row i's first n steps: ([n, K] ids, [n, K] log-probs)."""
+        return (torch.stack([self.ids[j][i] for j in range(n)]), torch.stack([self.logprobs[j][i] for j in range(n)]))
+
+    def stored_floats(self) -> int:
+        """Numbers held (ids and log-probs): steps x batch x K each."""
+        return sum(t.numel() for t in self.ids) + sum(t.numel() for t in self.logprobs)
 
 
 class HFBackend:
@@ -51,21 +86,31 @@ class HFBackend:
             for i, p in enumerate(batch):
                 ids[i, T - len(p):] = torch.tensor(p)
                 mask[i, T - len(p):] = 1
-            out = self.model.generate(
+            extra = {}
+            recorder = None
+            if top_k:
+                from transformers import LogitsProcessorList
+
+                recorder = TopKRecorder(top_k, T)  # each step's top-K only: never all steps' [B, V] logits
+                extra["logits_processor"] = LogitsProcessorList([recorder])
+                self.last_recorder = recorder  # tests read its size
+            # the sequences only (no dict): neither the steps' logits nor the KV cache outlive generate
+            seqs = self.model.generate(
                 input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=max_new_tokens,
                 do_sample=False, eos_token_id=stop_ids, pad_token_id=self.pad_id, top_p=None, top_k=None,
-                temperature=None, output_logits=top_k > 0, return_dict_in_generate=True,
+                temperature=None, return_dict_in_generate=False, **extra,
             )
-            for i, row in enumerate(out.sequences[:, T:].tolist()):
+            for i, row in enumerate(seqs[:, T:].tolist()):
                 toks = cut_at_stop(row, stop, max_new_tokens)
                 if not top_k:
                     yield Finished(b0 + i, toks)
                     continue
-                # raw logits of each generated position (before any logits processor; greedy has none)
-                sid, slp = topk_logprobs(torch.stack([out.logits[j][i] for j in range(len(toks))]), top_k)
+                # the logits of each generated position (greedy, no other logits processor: the raw logits)
+                sid, slp = recorder.row(i, len(toks))
                 start = len(batch[i]) - 1
                 if prompt_top_k and len(batch[i]) > 1:
-                    full = self.model(input_ids=torch.tensor([batch[i]], device=self.device)).logits[0, :-1]
+                    full = self.model(input_ids=torch.tensor([batch[i]], device=self.device),
+                                      use_cache=False).logits[0, :-1]
                     pid, plp = topk_logprobs(full, top_k)
                     sid, slp, start = torch.cat([pid, sid]), torch.cat([plp, slp]), 0
                 elif prompt_top_k:
@@ -112,20 +157,44 @@ class NativeBackend:
                                    prefill_group=self.prefill_group, row_blocks=self.row_blocks)
 
 
+def _model_folder(model) -> str:
+    """The folder the HF teacher was loaded from (a local dir, or the hub snapshot it was read from)."""
+    from pathlib import Path
+
+    path = getattr(model.config, "_name_or_path", None)
+    if not path or not (Path(path) / "config.json").is_file():
+        raise ValueError(f"the vllm backend loads the teacher from its HF folder, but this model was loaded from "
+                         f"{path!r} (no config.json there): use a hub id or a local HF folder as study.teacher, or "
+                         "teacher.backend='hf'")
+    return str(path)
+
+
 def make_backend(name: str, model, tokenizer, dtype: str = "float32", schedule: str = "continuous",
-                 **native_options):
-    """"native", "hf" or "auto" (native on CPU for Llama/Qwen3, else hf). dtype/schedule and `native_options`
-    (`NativeBackend`'s prefill_group, sliced_head, row_blocks): native only."""
+                 vllm_options: dict | None = None, **native_options):
+    """"native", "hf", "vllm" or "auto" (native on CPU for Llama/Qwen3, else hf; never vllm). dtype/schedule and
+    `native_options` (`NativeBackend`'s prefill_group, sliced_head, row_blocks): native only. vllm_options
+    (`VLLMBackend`'s tensor_parallel_size, chunk_rows, ...): vllm only; vLLM loads the weights itself from the
+    folder `model` was loaded from, in `model`'s dtype, so the weights the teacher meta hashes are the ones used."""
     if name == "auto":
         on_cpu = next(model.parameters()).device.type == "cpu"
         name = "native" if on_cpu and model.config.model_type in ("llama", "qwen3") else "hf"
+    if vllm_options and name != "vllm":
+        raise ValueError("vllm_options are options of the vllm backend")
     if name == "native":
         return NativeBackend(model, dtype=dtype, schedule=schedule, **native_options)
+    if name in ("hf", "vllm") and (dtype != "float32" or schedule != "continuous" or native_options):
+        raise ValueError("dtype, schedule and native_options are options of the native backend")
     if name == "hf":
-        if dtype != "float32" or schedule != "continuous" or native_options:
-            raise ValueError("dtype, schedule and native_options are options of the native backend")
         from drafter_lib.common.chat import stop_token_ids
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop_token_ids(tokenizer)[0]
         return HFBackend(model, pad)
-    raise ValueError(f"unknown backend {name!r} (expected 'native', 'hf' or 'auto')")
+    if name == "vllm":
+        from drafter_lib.decoding.vllm_backend import VLLMBackend
+
+        opts = dict(vllm_options or {})
+        if opts.get("llm") is None:
+            opts.setdefault("model_path", _model_folder(model))
+        opts.setdefault("dtype", str(next(model.parameters()).dtype).removeprefix("torch."))
+        return VLLMBackend(**opts)
+    raise ValueError(f"unknown backend {name!r} (expected one of {BACKEND_NAMES})")

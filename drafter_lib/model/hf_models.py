@@ -425,3 +425,97 @@ def tiny_arch(spec: str) -> str:
         raise ValueError(f"bad tiny model spec {spec!r}: expected 'tiny-random' or 'tiny-random:<arch>' with arch "
                          f"in {TINY_ARCHS}")
     return arch
+
+
+# --------------------------------------------------------------------------- tokenizer files and hub checks
+
+HUB_TIMEOUT_S = 5.0  # the config checks' hub call: a reachable hub answers in well under a second
+
+
+def default_tokenizer_dir(cache_dir=None) -> Path | None:
+    """The folder of tokenizer files `default_tokenizer` reads (the converted copy, or the tokenizer saved alone),
+    or None before either exists (then only the GGUF's metadata holds the tokenizer)."""
+    root = cache_root(cache_dir)
+    for d in sorted(root.glob(f"{DEFAULT_TEACHER}-*")) if root.is_dir() else []:
+        if (d / _CONVERTED_MARK).is_file() or (d / "tokenizer_config.json").is_file():
+            return d
+    return None
+
+
+def is_commit_sha(revision) -> bool:
+    """A full git commit id (40 hex digits): the only revision that cannot move under a run (a branch or a tag can)."""
+    return isinstance(revision, str) and len(revision) == 40 and all(c in "0123456789abcdef" for c in revision)
+
+
+def hub_cache_dir() -> Path:
+    """The hub cache this process uses ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub)."""
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def hub_files_cached(repo_id: str, revision: str, cache_dir=None) -> bool:
+    """Whether the local HF cache holds the snapshot of `repo_id` at commit `revision`: its config.json and at least
+    one safetensors file (what loading it needs; nothing is downloaded or checked against the hub)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    config = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir, revision=revision)
+    return isinstance(config, str) and any(Path(config).parent.glob("*.safetensors"))
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is set to a true value in this process's environment."""
+    return any(os.environ.get(v, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+               for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_status(repo_id: str, revision: str | None = None, timeout: float = HUB_TIMEOUT_S) -> dict:
+    """One short hub call (model info of `repo_id` at `revision`, the default branch when None) ->
+    {"reachable": bool, "sha": the commit it resolves to or None, "error": None or why not}. reachable False: offline
+    mode, no route, refused, timed out, or a server error; reachable with an error: the hub answered that the repo or
+    revision is not there, or that the repo is gated or private. The endpoint is $HF_ENDPOINT as set now."""
+    if hub_offline():
+        return {"reachable": False, "sha": None, "error": "HF_HUB_OFFLINE is set"}
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    endpoint = os.environ.get("HF_ENDPOINT") or None  # read now: huggingface_hub reads it once, at import
+    try:
+        info = HfApi(endpoint=endpoint).model_info(repo_id, revision=revision, timeout=timeout)
+    except RevisionNotFoundError:
+        return {"reachable": True, "sha": None, "error": f"the hub has no revision {revision!r} of {repo_id}"}
+    except GatedRepoError:
+        return {"reachable": True, "sha": None, "error": f"{repo_id} is gated: accept its terms on the hub and log in "
+                                                         "(`hf auth login` or HF_TOKEN)"}
+    except RepositoryNotFoundError:
+        return {"reachable": True, "sha": None, "error": f"the hub has no model {repo_id} (or it is private: log in "
+                                                         "with `hf auth login` or HF_TOKEN)"}
+    except HfHubHTTPError as e:
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if status is not None and status < 500:
+            return {"reachable": True, "sha": None, "error": f"the hub answered {status} for {repo_id}"}
+        return {"reachable": False, "sha": None, "error": f"the hub answered {status}"}
+    except Exception as e:  # no route, refused, DNS, timeout, TLS: not reachable
+        return {"reachable": False, "sha": None, "error": f"{type(e).__name__}: {e}"[:200]}
+    return {"reachable": True, "sha": info.sha, "error": None}
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32
+                 ) -> Path:
+    """A GGUF checkpoint (llama or qwen3) as a local HF folder the study takes as a model spec: transformers
+    de-quantizes the weights to `dtype` and reads the tokenizer and chat template from the GGUF's metadata; the
+    folder gets config.json, safetensors and tokenizer files. Returns `out_dir`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype)
+    _strip_gguf_quantizer(model)  # transformers refuses to save a GGUF-loaded model otherwise
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir

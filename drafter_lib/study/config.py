@@ -53,7 +53,10 @@ DEFAULT_SOURCE_WEIGHTS = {"synthetic": 1.3, "t0_train_prompts": 1.0, "gsm8k_trai
 
 @dataclass
 class DataConfig:
-    shared_data: str | None = "auto"  # extra prompt corpora; "auto": ../shared/data next to the repo, if present
+    # File corpora: "auto" = the copies vendored in data/corpora/ (the same prompts on every machine); a folder (e.g.
+    # "../shared/data") = the .jsonl files there; None = none. Loaded: t0, gsm8k, self-instruct, plus dolly_15k
+    # only when source_weights names it (corpora.corpora_for).
+    shared_data: str | None = "auto"
     synthetic_n: int = 2300
     self_prompts: int = 0  # user turns the teacher writes from its chat template's user header (0: none)
     total_prompts: int | None = 6000  # None: every prompt the sources give (weights only subsample)
@@ -68,7 +71,8 @@ class DataConfig:
 class TeacherConfig:
     max_new_tokens: int = 256
     batch_size: int = 128  # decode rows per step: 4x 32's rows cost ~3x the time here (attention reads fp32 K/V)
-    backend: str = "auto"  # auto | native | hf
+    backend: str = "auto"  # auto | native | hf | vllm (GPU; docs/scale_out.md)
+    tensor_parallel_size: int = 1  # vllm only: GPUs one vLLM engine spreads the teacher over
     soft_topk: int = 16  # also store the teacher's top-K log-probs per continuation token (0: off)
     soft_prompt: bool = True  # ... and at prompt positions (for train.loss_on_prompt)
 
@@ -207,10 +211,14 @@ def _full() -> StudyConfig:
     return StudyConfig(
         study=StudySection(teacher="Qwen/Qwen3-8B", drafter_base="Qwen/Qwen3-1.7B", keep_layers=None, device="cuda"),
         data=DataConfig(synthetic_n=20000, total_prompts=40000, heldout_frac=0.02, max_prompt_tokens=1024),
-        teacher=TeacherConfig(max_new_tokens=512, batch_size=64, backend="hf"),
+        # vLLM writes the teacher's answers (batch_size: sequences it decodes at once, max_num_seqs); one GPU holds
+        # Qwen3-8B in bf16, tensor_parallel_size spreads it over more. Training: DDP over num_processes GPUs in bf16
+        # (`--set train.num_processes=N` on an N-GPU machine; the global batch grows with it). docs/scale_out.md
+        teacher=TeacherConfig(max_new_tokens=512, batch_size=256, backend="vllm", tensor_parallel_size=1),
         train=TrainConfig(steps=4000, qat_steps=800, batch_size=8, grad_accum=4, max_seq_len=1536, lr=2e-5,
                           qat_lr=5e-6, warmup_steps=100, qat_warmup_steps=20, eval_every=250, ckpt_every=250,
-                          log_every=10, val_fraction=0.01, max_eval_batches=50, mixed_precision="bf16"),
+                          log_every=10, val_fraction=0.01, max_eval_batches=50, mixed_precision="bf16",
+                          num_processes=1, distributed="ddp"),
         quant=QuantSection(group_size=128),
         pack=PackConfig(engine_dtype=None),  # exact kernels until int8 activations are measured on this drafter
         eval=EvalConfig(limit=200, max_new_tokens=256, k=16, e2e_prompts=16, e2e_k=None, group_by="category"))

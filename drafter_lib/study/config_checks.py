@@ -1,9 +1,15 @@
 """The whole-config checks behind `config.validate`: every value and combination that a stage would reject later,
 raised as a ConfigError that starts with the key at fault. With check_models, the drafter's sizes are read from
-its HF config (no weights) so keep_layers and the quant group sizes are checked against the real model."""
+its HF config (no weights) so keep_layers and the quant group sizes are checked against the real model, a hub model's
+pinned files must be cached or the hub reachable, and a drafter base must have the teacher's tokenizer.
+`check_disk` (called by the study's runner, which knows the run's folder) prints the teacher stage's bytes on disk
+and stops a run whose filesystem has less room."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from drafter_lib.common.layout import resolve_shared_data
@@ -15,7 +21,7 @@ if TYPE_CHECKING:  # the config module calls these checks; only its type is name
     from drafter_lib.study.config import StudyConfig
 
 DEVICES = ("cpu", "cuda", "mps")
-BACKENDS = ("auto", "native", "hf")
+BACKENDS = ("auto", "native", "hf", "vllm")
 GROUP_BY = ("category", "source")
 CHECKPOINTS = ("best", "best_distill")
 
@@ -31,9 +37,46 @@ def _at_least(val, low: int, key: str, optional: bool = False) -> None:
     _need(val is not None and val >= low, key, f"must be >= {low}{' or null' if optional else ''}, got {val!r}")
 
 
-def _check_spec(spec: str, key: str) -> None:
+def _hub_name_rev(spec: str) -> tuple[str, str] | None:
+    """(name, revision or "") of a spec that names a hub model ("org/name[@rev]"), None for the other kinds."""
     from drafter_lib.model import hf_models
 
+    if hf_models.is_tiny_spec(spec) or spec.lower() == hf_models.DEFAULT_TEACHER or Path(spec).is_dir():
+        return None
+    name, _, rev = spec.partition("@")
+    return (name, rev) if name.count("/") == 1 else None
+
+
+def _pin_hint(name: str, key: str, lookup: bool) -> str:
+    """How to pin `name`: with its main branch's commit now, when the hub answers (lookup: one short call)."""
+    from drafter_lib.model import hf_models
+
+    where = f"https://huggingface.co/{name}/commits/main"
+    if not lookup:
+        return f"take a commit from {where}"
+    st = hf_models.hub_status(name)
+    if st["sha"]:
+        return f"its main branch is at commit {st['sha']} now: {key}={name}@{st['sha']}"
+    return f"the hub did not give its main commit ({st['error']}): take a commit from {where}"
+
+
+def _check_spec(spec: str, key: str, lookup: bool = False) -> None:
+    """The spec parses, and a hub model is pinned to a commit: "org/name@<40-hex sha>" (the study has no separate
+    revision key; HUB_MODELS pins the full preset's two). lookup: ask the hub for the main commit to suggest."""
+    from drafter_lib.model import hf_models
+
+    hub = _hub_name_rev(spec)
+    if hub is not None:
+        name, rev = hub
+        if not rev and name not in hf_models.HUB_MODELS:
+            raise ConfigError(f"{key}: hub model {name!r} is not pinned to a revision (and no local folder {spec!r} "
+                              f"exists): write it as "
+                              f"{name}@<commit sha> (40 hex digits; a branch moves under a run); "
+                              f"{_pin_hint(name, key, lookup)}")
+        if rev and not hf_models.is_commit_sha(rev):
+            raise ConfigError(f"{key}: revision {rev!r} of {name} is not a commit (a branch or tag moves under a "
+                              f"run): pin a full 40-hex commit sha, {key}={name}@<commit sha>; "
+                              f"{_pin_hint(name, key, lookup)}")
     try:
         if hf_models.is_tiny_spec(spec):
             hf_models.tiny_arch(spec)
@@ -41,6 +84,62 @@ def _check_spec(spec: str, key: str) -> None:
             hf_models.parse_model_spec(spec)
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from None
+
+
+def _model_specs(cfg: StudyConfig) -> list[tuple[str, str]]:
+    s = cfg.study
+    return [("study.teacher", s.teacher)] + ([("study.drafter_base", s.drafter_base)] if s.drafter_base else [])
+
+
+def _check_hub_files(cfg: StudyConfig, allow_download: bool) -> None:
+    """A pinned hub model whose files are not in the local HF cache needs the hub: one short call checks that it
+    answers (and has the revision) before any stage runs, instead of a stage failing on the download."""
+    from drafter_lib.model import hf_models
+
+    for key, spec in _model_specs(cfg):
+        if _hub_name_rev(spec) is None:
+            continue
+        _, name, rev = hf_models.parse_model_spec(spec)
+        if hf_models.hub_files_cached(name, rev):
+            continue
+        if not allow_download:
+            print(f"[config] {key}: {name}@{rev[:12]} is not in the local HF cache; the hub was not asked "
+                  "(allow_download=False)", file=sys.stderr)
+            continue
+        st = hf_models.hub_status(name, rev)
+        _need(st["reachable"], key,
+              f"the files of {name}@{rev} are not in the local Hugging Face cache ({hf_models.hub_cache_dir()}) "
+              f"and the hub cannot be reached ({st['error']}): download them where the hub is reachable "
+              f"(`hf download {name} --revision {rev}`) into this cache, or point HF_HUB_CACHE at a cache that "
+              f"holds them, and run with HF_HUB_OFFLINE=1; or give {key} a local HF directory")
+        _need(st["error"] is None, key, f"{name}@{rev}: {st['error']}")
+
+
+def _check_tokenizers(cfg: StudyConfig, allow_download: bool) -> None:
+    """A drafter base must tokenize as the teacher does: the drafts are teacher token ids, and no mapping between two
+    tokenizers exists in the study. Read from tokenizer files or GGUF metadata, no weights."""
+    from drafter_lib.model import tokenizer_identity as ti
+
+    s = cfg.study
+    if s.drafter_base is None or s.drafter_base == s.teacher:
+        return  # a pruned copy of the teacher: the same tokenizer
+    ids = {}
+    for key, spec in (("study.teacher", s.teacher), ("study.drafter_base", s.drafter_base)):
+        try:
+            ids[key] = ti.read_identity(spec, allow_download=allow_download)
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{key}: cannot read the tokenizer of {spec!r}: {e}") from None
+    if None in ids.values():
+        print(f"[config] tokenizers of {s.teacher!r} and {s.drafter_base!r} not compared (a hub tokenizer is not "
+              "cached and cannot be downloaded now); no stage compares them later", file=sys.stderr)
+        return
+    diffs = ti.differences(ids["study.drafter_base"], ids["study.teacher"], ("the drafter base's", "the teacher's"))
+    _need(not diffs, "study.drafter_base",
+          f"the tokenizer of {s.drafter_base!r} is not the teacher's ({s.teacher!r}); drafter base vs teacher: "
+          + "; ".join(diffs) + ". Drafts are token ids of the teacher's tokenizer, and a mapping between two "
+          "tokenizers is not implemented (identical tokenizers required): choose a drafter base with exactly the "
+          "teacher's tokenizer (usually a smaller model of the same family), or study.drafter_base=null to prune "
+          "the teacher itself")
 
 
 def _keep(keep, num_layers: int, key: str) -> list[int]:
@@ -155,9 +254,8 @@ def _check_heldout_files(entries) -> None:
 def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = True) -> None:
     s, d, t, p, e = cfg.study, cfg.data, cfg.teacher, cfg.pack, cfg.eval
     # study
-    _check_spec(s.teacher, "study.teacher")
-    if s.drafter_base is not None:
-        _check_spec(s.drafter_base, "study.drafter_base")
+    for key, spec in _model_specs(cfg):
+        _check_spec(spec, key, lookup=check_models and allow_download)
     _need(s.device.split(":")[0] in DEVICES, "study.device",
           f"expected one of {DEVICES} (cuda:N too), got {s.device!r}")
     _at_least(s.num_threads, 1, "study.num_threads", optional=True)
@@ -205,7 +303,68 @@ def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = Tr
     _check_heldout_files(e.heldout_files)
     if check_models:
         _check_device(s.device)
+        _check_hub_files(cfg, allow_download)
         _check_model_sizes(cfg, allow_download)
+        _check_tokenizers(cfg, allow_download)
+    check_scale_out(cfg, check_models)
+
+
+# The margin over the estimate: the estimate is an upper bound of the teacher's files, the fixed part leaves room
+# for the rest of a small run (checkpoints, the pack, notebooks, plots: ~50 MB for the default study's drafter).
+DISK_MARGIN = 1.1
+DISK_MARGIN_BYTES = 512 * 2 ** 20
+DISK_KEYS = "data.total_prompts, teacher.max_new_tokens, teacher.soft_topk, teacher.soft_prompt"
+
+
+def _shown(path: Path) -> str:
+    """A folder as a message shows it: relative to the repository inside it, else in full (a console line, not an
+    artifact)."""
+    from drafter_lib.common.layout import REPO_ROOT
+
+    try:
+        return Path(path).resolve().relative_to(REPO_ROOT.resolve()).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _free_bytes(path: Path) -> tuple[int, Path]:
+    """Free bytes of the filesystem `path` is (or will be) on: its nearest existing folder's."""
+    p = Path(path).absolute()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free, p
+
+
+def check_disk(cfg: StudyConfig, run_dir, teacher_pending: bool = True, out=None) -> dict:
+    """Print how many bytes the teacher's answers and soft labels take, at most (disk_estimate), and stop a run
+    whose filesystem has less room than that (times DISK_MARGIN, plus DISK_MARGIN_BYTES), less what a stopped run
+    already wrote. teacher_pending False (its stage done or not run): printed, not required.
+    -> {"estimate", "written", "needed", "free", "path"}."""
+    from drafter_lib.common.layout import RunLayout
+    from drafter_lib.model.hf_models import model_sizes
+    from drafter_lib.study import disk_estimate as de
+
+    out = out or sys.stdout
+    try:
+        vocab = (model_sizes(cfg.study.teacher, allow_download=False) or {}).get("vocab_size")
+    except (OSError, ValueError, KeyError):
+        vocab = None
+    est = de.estimate(cfg, vocab)
+    written = de.written_bytes(RunLayout.of(run_dir).targets)
+    need = max(est.total - written, 0) if teacher_pending else 0
+    free, where = _free_bytes(Path(run_dir))
+    required = int(need * DISK_MARGIN) + DISK_MARGIN_BYTES if need else 0
+    status = "to write" if teacher_pending else "not written by this run's stages"
+    done = f", {de.human_bytes(written)} of it written already" if written else ""
+    print(f"[study] disk: the teacher's answers and soft labels take {est.describe()}{done}, {status}; "
+          f"{de.human_bytes(free)} free on the filesystem of {_shown(where)}", file=out)
+    _need(free >= required, DISK_KEYS,
+          f"the teacher's answers and soft labels take {est.describe()}; with the margin this run needs "
+          f"{de.human_bytes(required)} free, but the filesystem of {_shown(where)} has "
+          f"{de.human_bytes(free)}: free some space or put the run elsewhere (--runs-dir), or lower "
+          "data.total_prompts or teacher.max_new_tokens or teacher.soft_topk, or set teacher.soft_prompt=false "
+          "(soft labels at prompt positions, for train.loss_on_prompt)")
+    return {"estimate": est, "written": written, "needed": required, "free": free, "path": where}
 
 
 def waste_notes(cfg: StudyConfig) -> list[str]:
@@ -219,3 +378,43 @@ def waste_notes(cfg: StudyConfig) -> list[str]:
     return [f"train.max_seq_len={tr.max_seq_len} is below data.max_prompt_tokens + teacher.max_new_tokens = {need}: "
             f"training cuts the teacher's longer rows, and drops those whose prompt alone fills "
             f"{tr.max_seq_len} tokens; set train.max_seq_len={need} to use all of them"]
+
+
+def check_scale_out(cfg: StudyConfig, on_this_machine: bool = True) -> None:
+    """The GPU scale-out keys (docs/scale_out.md): teacher.backend='vllm' and teacher.tensor_parallel_size,
+    train.num_processes and train.distributed (whose values TrainConfig.validate checks). on_this_machine (the
+    checks with the models): vllm importable, CUDA GPUs for the tensor parallel engine, as many devices as
+    training processes (GPUs where torch sees CUDA, which the trainer then uses, else CPU cores)."""
+    import os
+
+    import torch
+
+    from drafter_lib.decoding.vllm_backend import vllm_installed
+    from drafter_lib.model import hf_models
+
+    s, t, tr = cfg.study, cfg.teacher, cfg.train
+    _at_least(t.tensor_parallel_size, 1, "teacher.tensor_parallel_size")
+    _need(t.tensor_parallel_size == 1 or t.backend == "vllm", "teacher.tensor_parallel_size",
+          f"{t.tensor_parallel_size} GPUs is a setting of teacher.backend='vllm' (got {t.backend!r})")
+    if t.backend == "vllm":
+        _need(s.device.split(":")[0] == "cuda", "teacher.backend",
+              f"'vllm' runs on CUDA GPUs, but study.device={s.device!r}: set study.device=cuda, or "
+              "teacher.backend=hf / native")
+        _need(s.teacher.lower() != hf_models.DEFAULT_TEACHER, "teacher.backend",
+              f"'vllm' loads the teacher from a hub id or a local HF folder, and {s.teacher!r} is the GGUF default: "
+              "set study.teacher to one, or teacher.backend=hf / native")
+    if not on_this_machine:
+        return
+    gpus = torch.cuda.device_count()
+    if t.backend == "vllm":
+        _need(vllm_installed(), "teacher.backend",
+              "'vllm', but the vllm package is not installed here: `pip install vllm` (a CUDA machine), or "
+              "teacher.backend=hf")
+        _need(gpus > 0, "teacher.backend", "'vllm' needs a CUDA GPU, and torch finds none on this machine")
+        _need(t.tensor_parallel_size <= gpus, "teacher.tensor_parallel_size",
+              f"{t.tensor_parallel_size} GPUs, but this machine has {gpus}")
+    if tr.num_processes > 1:
+        devices, what = (gpus, "CUDA GPU(s)") if gpus else (os.cpu_count() or 1, "CPU cores and no CUDA GPU")
+        _need(tr.num_processes <= devices, "train.num_processes",
+              f"{tr.num_processes} processes, but this machine has {devices} {what}: at most one process per "
+              f"device (train.num_processes={devices})")

@@ -33,7 +33,7 @@ from drafter_lib.common.layout import (
 )
 from drafter_lib.common.openmp_wait import bounded_spin
 from drafter_lib.study import config
-from drafter_lib.study.config_checks import waste_notes
+from drafter_lib.study.config_checks import check_disk, waste_notes
 
 STAGES = ("01_data", "02_teacher", "03_train_qat", "04_pack", "05_eval")
 
@@ -98,6 +98,9 @@ def run_study(preset: str = "default", name: str | None = None, runs_dir: str | 
     import papermill
 
     run = RunLayout.named(name or preset, runs_dir)
+    # the teacher's bytes on disk, printed up front; a filesystem with less room stops the run here (ConfigError)
+    check_disk(cfg, run.root, "02_teacher" in wanted and (force or not all(stage_done(run, s, cfg) for s in
+                                                                           ("01_data", "02_teacher"))))
     run.notebooks_dir.mkdir(parents=True, exist_ok=True)
     run.stages_dir.mkdir(exist_ok=True)
     config.save_run_config(run, cfg, preset, overrides)
@@ -193,6 +196,7 @@ def main(argv=None):
             cfg = config.build_config(args.preset, {**overrides, **({"data.shared_data": shared} if shared else {})})
             print(json.dumps(cfg.to_dict(), indent=2))
             print_waste_notes(cfg)
+            check_disk(cfg, RunLayout.named(args.name or args.preset, args.runs_dir).root, out=sys.stderr)
             return {"config": cfg}
         t0 = time.time()
         res = run_study(args.preset, args.name, args.runs_dir, shared, args.force, args.stages, overrides,

@@ -94,8 +94,9 @@ def build_prompts(cfg: config.StudyConfig, run: RunLayout):
     t_spec, d_spec = teacher_spec(cfg, run), drafter_base_spec(cfg, run)
     tok = load_tokenizer(t_spec)
     d = cfg.data
-    sources = data.default_sources(resolve_shared_data(d.shared_data), synthetic_n=d.synthetic_n,
-                                   seed=cfg.study.seed, humaneval=d.humaneval)
+    sources = data.default_sources(resolve_shared_data(d.shared_data), synthetic_n=d.synthetic_n,  # "auto": vendored
+                                   seed=cfg.study.seed, humaneval=d.humaneval,
+                                   corpora=data.corpora_for(d.source_weights))  # dolly_15k only when weighted
     models = [hf_models.model_record(t_spec, role="teacher", relative_to=run.root),
               hf_models.model_record(d_spec, role="drafter_base", relative_to=run.root)]
     if d.self_prompts:  # sampled from the teacher; cached in the run, so a rerun or resume reads them back
@@ -103,7 +104,9 @@ def build_prompts(cfg: config.StudyConfig, run: RunLayout):
                         "model": t_spec, "model_label": models[0]["name"],
                         "cache": str(run.data_dir / "self_prompts.jsonl")})
     weights = d.source_weights
-    if weights == config.DEFAULT_SOURCE_WEIGHTS:  # the default may name corpora this machine lacks (no ../shared/data)
+    # "auto" (the vendored copies) has every corpus the default mixture names; an explicit data.shared_data folder
+    # may lack some, and null has none: the default's weights for those are dropped
+    if weights == config.DEFAULT_SOURCE_WEIGHTS:
         weights = data.only_present(weights, sources)
     summary = data.build_prompt_set(run.data_dir, sources=sources, weights=weights, total=d.total_prompts,
                                     tokenizer=tok, min_tokens=d.min_prompt_tokens, max_tokens=d.max_prompt_tokens,
@@ -148,11 +151,13 @@ def generate_targets(cfg: config.StudyConfig, run: RunLayout):
     from drafter_lib.model import hf_models
     from drafter_lib.teacher import targets as teacher
 
-    model, tok = hf_models.load_teacher(teacher_spec(cfg, run), device=cfg.study.device)
     t = cfg.teacher
+    vllm = t.backend == "vllm"  # vLLM loads its own copy onto the GPUs; the HF one (hashed, read) stays on the CPU
+    model, tok = hf_models.load_teacher(teacher_spec(cfg, run), device="cpu" if vllm else cfg.study.device)
     stats = teacher.generate_targets(data.load_prompt_file(run.train_prompts), model, tok, run.targets,
                                      max_new_tokens=t.max_new_tokens, batch_size=t.batch_size, backend=t.backend,
-                                     teacher_id=cfg.study.teacher, soft_topk=t.soft_topk, soft_prompt=t.soft_prompt)
+                                     teacher_id=cfg.study.teacher, soft_topk=t.soft_topk, soft_prompt=t.soft_prompt,
+                                     vllm_options={"tensor_parallel_size": t.tensor_parallel_size} if vllm else None)
     write_json(run.teacher_stats, stats)
     return stats, tok
 
@@ -204,10 +209,11 @@ def train_config(cfg: config.StudyConfig, run: RunLayout):
 
 def train_drafter(cfg: config.StudyConfig, run: RunLayout) -> dict:
     """Distill, then QAT (resumes from the run's checkpoints). -> {"step", "done", "best", "out_dir", "history"},
-    out_dir relative to the run (the notebook shows it)."""
-    from drafter_lib.train.trainer import run_training
+    out_dir relative to the run (the notebook shows it). train.num_processes > 1: the same TrainConfig runs under
+    `accelerate launch` over that many processes (`drafter_lib.train.launch`), else in this process."""
+    from drafter_lib.train.launch import train
 
-    result = run_training(train_config(cfg, run))
+    result = train(train_config(cfg, run))
     return {**result, "out_dir": run.rel(result["out_dir"])}
 
 

@@ -13,8 +13,12 @@ With `soft_topk=K > 0` the stage also stores the teacher's top-K log-probabiliti
 (`targets.soft/`, format in `drafter_lib.teacher.soft_labels`); each flush writes its part before appending its rows,
 and a resumed run first drops part rows that never reached the targets file, so no row is lost or stored twice.
 
-Backends (`drafter_lib.decoding.backends`): "native" (hand-written decoder, continuous batching, CPU) and "hf"
-(transformers generate, GPU or architectures the native path lacks); "auto" picks.
+Backends (`drafter_lib.decoding.backends`): "native" (hand-written decoder, continuous batching, CPU), "hf"
+(transformers generate, GPU or architectures the native path lacks) and "vllm" (vLLM's offline engine on GPUs,
+tensor parallel; `drafter_lib.decoding.vllm_backend`); "auto" picks native or hf. All three stream the same rows,
+so the file, its soft labels, sharding and resume are the same whichever ran; a vllm run records
+`"backend": "vllm"` and its tensor_parallel_size in the meta's generation settings (its kernels differ from the
+others', so a resume must not mix them).
 """
 from __future__ import annotations
 
@@ -180,6 +184,7 @@ def generate_targets(
     native_dtype: str = "float32",
     schedule: str = "continuous",
     native_options: dict | None = None,
+    vllm_options: dict | None = None,
 ) -> dict:
     """Write greedy teacher continuations for this shard of `records` to `out_path`, resuming if it exists.
 
@@ -189,6 +194,7 @@ def generate_targets(
     killed run loses at most the rows not yet flushed. native_dtype: weight precision of the native backend
     (float32 = exact default). schedule: "continuous" (refill finished slots) or "static" (native only).
     native_options: the native backend's speed settings (`teacher_backends.NativeBackend`; benchmarks compare them).
+    vllm_options: the vllm backend's settings (`vllm_backend.VLLMBackend`: tensor_parallel_size, chunk_rows, ...).
     `on_batch(flush_index, rows)` runs after each flush (progress hooks, tests). Returns stats: rows written now,
     rows already done, new tokens, seconds, tokens/s.
     """
@@ -207,6 +213,8 @@ def generate_targets(
         generation["native_dtype"] = native_dtype
     if soft_topk:
         generation.update(soft_topk=soft_topk, soft_prompt=soft_prompt)
+    if backend == "vllm":
+        generation.update(backend="vllm", tensor_parallel_size=int((vllm_options or {}).get("tensor_parallel_size", 1)))
     meta = {
         "format_version": FORMAT_VERSION,
         "teacher": {
@@ -227,6 +235,9 @@ def generate_targets(
             if old.get(key) != meta[key]:
                 raise ValueError(f"{out_path} was started with a different {key} ({old.get(key)} != {meta[key]}); "
                                  "use a new output path")
+    # the backend before any file: one that cannot start (vllm missing, no model folder) leaves nothing behind
+    gen = make_backend(backend, model, tokenizer, dtype=native_dtype, schedule=schedule, vllm_options=vllm_options,
+                       **(native_options or {}))
     write_json(mp, meta)  # without "output" until this call finishes: an unfinished file has no recorded hash
 
     mine = select_shard(records, shard_index, num_shards)
@@ -248,7 +259,6 @@ def generate_targets(
             todo.append((r, encode_chat(tokenizer, prompt_messages(r))))
     todo.sort(key=lambda x: (len(x[1]), record_id(x[0])))  # length-sorted batches pad little
 
-    gen = make_backend(backend, model, tokenizer, dtype=native_dtype, schedule=schedule, **(native_options or {}))
     n_tok, n_rows, t0, flushes, pending = 0, 0, time.perf_counter(), 0, []
     bar = tqdm(total=len(todo), desc=f"teacher[{gen.name}] shard {shard_index}/{num_shards}", unit="prompt",
                disable=not progress)
@@ -314,7 +324,8 @@ def main(argv=None):
     ap.add_argument("--teacher", default="smollm2-135m-instruct")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--backend", default="auto", choices=["auto", "native", "hf"])
+    ap.add_argument("--backend", default="auto", choices=["auto", "native", "hf", "vllm"])
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM engine (--backend vllm)")
     ap.add_argument("--shard-index", type=int, default=0)
     ap.add_argument("--num-shards", type=int, default=1)
     ap.add_argument("--soft-topk", type=int, default=0, help="store the teacher's top-K log-probs (0: off)")
@@ -326,10 +337,12 @@ def main(argv=None):
         print(f"merged {merge_shards(args.merge, args.out)} rows into {args.out}")
         return
     from drafter_lib.model import hf_models  # owner: models
-    model, tok = hf_models.load_teacher(args.teacher)
+    model, tok = hf_models.load_teacher(args.teacher)  # on the CPU (with --backend vllm, vLLM loads its own copy)
     rev = getattr(model.config, "_commit_hash", None)
     stats = generate_targets(_load_records(args.prompts), model, tok, args.out, max_new_tokens=args.max_new_tokens,
                              batch_size=args.batch_size, backend=args.backend, shard_index=args.shard_index,
                              num_shards=args.num_shards, teacher_id=args.teacher, teacher_revision=rev,
-                             soft_topk=args.soft_topk, soft_prompt=args.soft_prompt, native_dtype=args.native_dtype)
+                             soft_topk=args.soft_topk, soft_prompt=args.soft_prompt, native_dtype=args.native_dtype,
+                             vllm_options={"tensor_parallel_size": args.tensor_parallel_size}
+                             if args.backend == "vllm" else None)
     print(json.dumps(stats))

@@ -8,9 +8,14 @@ validated "loss" stays the continuation CE, so runs with different objectives co
 `qat_steps`): the same loss with `quantization.apply_fake_quant` on the model (the exact quantizer packing
 uses), from the best distill weights, at a lower LR.
 
-Runs single-process on CPU or multi-process via `accelerate launch` (DDP). Batches are a deterministic function
-of (seed, data position), and the loss of one optimizer step is normalised by the target-token count of the whole
-global step, so N processes compute the same update as one process with N times the micro-batches.
+Runs single-process on CPU or multi-process via `accelerate launch` (DDP; `num_processes` > 1 with
+`distributed="ddp"`, which the study launches through `drafter_lib.train.launch`). Batches are a deterministic
+function of (seed, data position) and each process takes its own micro-batches of every global step (the
+distributed sampler: process r takes micro-batches r, r + N, ...); the loss of one optimizer step is normalised by
+the target-token count of the whole global step and DDP syncs the gradients once per optimizer step (no_sync on
+the accumulation steps before it), so N processes compute the same update as one process with N times the
+micro-batches. Only the main process writes (configs, checkpoints but each process's RNG state, exports,
+history, plots); the others wait at barriers.
 
 Outputs under `out_dir`: train_config.json, checkpoints/step_XXXXXXX (model, optimizer, scheduler, step, RNG,
 data position; see `checkpoint.py`), history.json/.csv, losses.png, best_distill/ (fp, HF format) and best/ (final
@@ -26,6 +31,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import random
 import shutil
 import time
@@ -53,7 +59,9 @@ from drafter_lib.train.checkpoint import (
 from drafter_lib.train.examples import IGNORE, BatchStream, collate, load_examples, split_val
 from drafter_lib.train.loss import LOSSES, LossModule, make_optimizer, teacher_target_logits
 
-__all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "build_base_model"]
+__all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "build_base_model", "DISTRIBUTED"]
+
+DISTRIBUTED = ("none", "ddp", "fsdp")
 
 
 @dataclass
@@ -97,6 +105,9 @@ class TrainConfig:
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0
     mixed_precision: str = "no"         # no | bf16 (GPU)
+    # processes: 1 trains in the calling process; N > 1 runs `accelerate launch --num_processes N` (launch.py)
+    num_processes: int = 1
+    distributed: str = "none"           # none (one process) | ddp (data parallel); fsdp: refused (see validate)
     # bookkeeping
     eval_every: int = 100
     max_eval_batches: int | None = None
@@ -140,6 +151,20 @@ class TrainConfig:
         for k in ("batch_size", "grad_accum", "max_seq_len", "eval_every", "ckpt_every", "log_every"):
             if getattr(self, k) < 1:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.num_processes < 1:
+            raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
+        if self.distributed not in DISTRIBUTED:
+            raise ValueError(f"distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
+        if self.distributed == "fsdp":
+            raise ValueError("distributed 'fsdp' is not supported by this trainer: its checkpoints, resume, "
+                             "best-weight exports and QAT fake-quant parametrizations need every parameter whole on "
+                             "every process; use 'ddp' (each process holds the whole drafter: Qwen3-1.7B with AdamW "
+                             "in fp32 is ~28 GB, within one GPU)")
+        if self.distributed == "none" and self.num_processes > 1:
+            raise ValueError(f"distributed 'none' runs one process, but num_processes={self.num_processes}: set "
+                             "distributed='ddp' or num_processes=1")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
         if self.steps < 0 or self.qat_steps < 0 or self.total_steps < 1:
             raise ValueError(f"need steps >= 0, qat_steps >= 0 and at least one step "
                              f"(got {self.steps}, {self.qat_steps})")
@@ -174,6 +199,10 @@ class Trainer:
             torch.set_num_threads(cfg.num_threads)
         self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision,
                                               cpu=not torch.cuda.is_available())
+        if cfg.num_processes > 1 and self.acc.num_processes != cfg.num_processes:
+            raise ValueError(f"num_processes={cfg.num_processes}, but this run has {self.acc.num_processes} "
+                             f"process(es): start it with `accelerate launch --num_processes {cfg.num_processes} -m "
+                             "drafter_lib.train ...` (drafter_lib.train.launch does)")
         self.out = Path(cfg.out_dir)
         self.paths = TrainLayout(self.out)
         if self.acc.is_main_process:
@@ -405,4 +434,6 @@ def main(argv=None):
     except ConfigError as e:
         ap.error(str(e))
     res = run_training(TrainConfig.from_dict(d))
-    print(json.dumps({k: v for k, v in res.items() if k != "history"}))
+    if os.environ.get("RANK", "0") == "0":  # under a launcher every process returns the same result: print it once
+        # (the last stdout line: drafter_lib.train.launch reads it)
+        print(json.dumps({k: v for k, v in res.items() if k != "history"}), flush=True)

@@ -60,6 +60,25 @@ def test_rollback_restores_the_cache(setup):
         t.rollback(t.cached_len + 1)
 
 
+def test_a_prompt_longer_than_a_batch_goes_in_chunks(setup):
+    """n_batch 16: a 3-question prompt (~60 tokens) is decoded in chunks, logits only from the last `keep`
+    positions, and its greedy choices are those of one whole batch."""
+    whole, p = setup["target"], sum(setup["prompts"], [])
+    small = LlamaCppTarget(setup["gguf"], n_ctx=1024, n_batch=16)
+    try:
+        assert len(p) > 3 * small.n_batch
+        whole.reset()
+        a = whole.score(p, keep=3)
+        b = small.score(p, keep=3)
+        assert b.shape == (3, small.vocab_size) and small.cached_len == len(p)
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        assert small.score([5], keep=None).shape == (1, small.vocab_size)
+        with pytest.raises(ValueError, match="at least one"):
+            small.score([])
+    finally:
+        small.close()
+
+
 def test_plain_decoding_equals_llama_cpp_pythons_own(setup):
     """This target's one-token loop gives llama-cpp-python's greedy `generate` tokens (the same passes)."""
     t, stop = setup["target"], setup["stop"]
@@ -125,3 +144,26 @@ def test_the_draft_model_hook_over_http(setup, tmp_path):
             hook = SpecdraftDraftModel.from_server(srv.url, k=16, min_confidence=c)
             assert hook(np.asarray(p, dtype=np.intc)).tolist() == list(setup["engine"].draft(p, 16,
                                                                                               min_confidence=c))
+
+
+def test_the_hook_never_stops_a_generation(tmp_path):
+    """A context longer than the drafter's is drafted from its most recent tokens; a server that cannot be reached
+    gives an empty draft (counted), not an exception inside llama-cpp-python's loop."""
+    from server_helpers import free_port
+
+    from drafter_lib.serve.client import SpeculativeClient
+
+    seen = []
+
+    class Short:  # a drafter with a 20-token window
+        max_context = 20
+
+        def draft(self, tokens, k, min_confidence=None):
+            seen.append(list(tokens))
+            return [7] * k
+
+    hook = SpecdraftDraftModel(Short(), k=4)
+    assert hook(np.arange(50, dtype=np.intc)).tolist() == [7] * 4
+    assert seen[-1] == list(range(34, 50))  # 16 + 4 drafted = the drafter's 20
+    down = SpecdraftDraftModel(SpeculativeClient(f"http://127.0.0.1:{free_port()}", max_retries=0), k=4)
+    assert down(np.arange(10, dtype=np.intc)).tolist() == [] and down.failures == 1

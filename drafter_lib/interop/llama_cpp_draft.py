@@ -11,15 +11,22 @@ for the draft tokens that its own generation loop verifies.
 
 The target must share the drafter's tokenizer (the default drafter: SmolLM2's). `min_confidence` is sent with each
 request (None: the pack's recommended threshold, or the server's default; 0: always k tokens).
+
+Drafting only speeds the target up, so it never stops a generation: a context longer than the drafter's is drafted
+from its most recent tokens, and a server that stays unreachable or refuses (after the client's retries) gives an
+empty draft, counted in `failures` and logged once.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
 import numpy as np
 
 from drafter_lib.decoding.llama_cpp_target import import_llama_cpp
+
+log = logging.getLogger(__name__)
 
 
 def _hook_base():
@@ -38,7 +45,7 @@ class SpecdraftDraftModel(_hook_base()):
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         self.drafter, self.k, self.min_confidence = drafter, int(k), min_confidence
-        self.calls = 0
+        self.calls = self.failures = 0
 
     @classmethod
     def from_model_dir(cls, model_dir: str | os.PathLike = "model", k: int = 16, min_confidence: float | None = None,
@@ -56,6 +63,20 @@ class SpecdraftDraftModel(_hook_base()):
         return cls(SpeculativeClient(url, api_key=api_key, timeout=timeout), k, min_confidence)
 
     def __call__(self, input_ids: np.ndarray, /, **kwargs: Any) -> np.ndarray:
+        import httpx
+
+        from drafter_lib.serve.client import DraftServerError
+
         self.calls += 1
-        draft = self.drafter.draft([int(t) for t in input_ids], self.k, min_confidence=self.min_confidence)
+        tokens = [int(t) for t in input_ids]
+        limit = getattr(self.drafter, "max_context", None)
+        if limit and len(tokens) + self.k > limit:  # the drafter's window: the most recent tokens
+            tokens = tokens[len(tokens) + self.k - limit:]
+        try:
+            draft = self.drafter.draft(tokens, self.k, min_confidence=self.min_confidence)
+        except (DraftServerError, httpx.TransportError) as e:
+            self.failures += 1
+            if self.failures == 1:
+                log.warning("no draft (the target decodes on without one): %s", e)
+            draft = []
         return np.asarray(list(draft), dtype=np.intc)

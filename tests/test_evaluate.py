@@ -173,6 +173,20 @@ def test_report_has_every_drafter_per_category_and_position(tiny_target, tmp_pat
         assert by["split"]["accepted_length_hist"] == cat["math"]["accepted_length_hist"]
         assert by["sets"]["steps"] == cat["writing"]["steps"] + cat[MULTI_TURN]["steps"]
         assert by["sets"]["accepted_tokens"] == cat["writing"]["accepted_tokens"] + cat[MULTI_TURN]["accepted_tokens"]
+    # intervals over the same per-prompt counts: each point estimate is the pooled MAL the report gives
+    for name, r in m["baselines"].items():
+        assert [sum(c[0] for c in r["per_prompt"]), sum(c[1] for c in r["per_prompt"])] == [r["steps"],
+                                                                                          r["accepted_tokens"]]
+        ci = m["mal_ci"][name]
+        assert ci["all"]["mal"] == pytest.approx(r["mean_acceptance_length"]) and ci["all"]["prompts"] == 3
+        assert ci["math"]["mal"] == pytest.approx(r["per_category"]["math"]["mean_acceptance_length"])
+        assert ci["all"]["ci"][0] <= ci["all"]["mal"] <= ci["all"]["ci"][1]
+        assert m["mal_ci_by_origin"][name]["sets"]["prompts"] == 2
+    d = m["paired_vs_primary"]["self"]  # the primary is the last drafter: n-gram lookup
+    assert d["difference"] == pytest.approx(m["mal_by_category"]["self"]["all"]
+                                            - m["mal_by_category"]["n-gram lookup"]["all"])
+    assert "n-gram lookup" not in m["paired_vs_primary"]
+    assert "minus n-gram lookup, same prompts" in ev.interval_table(m)
     assert "split" in ev.origin_table(m["acceptance_by_origin"])
     table = ev.baselines_table(m["baselines"], k, m["prompts_per_category"])
     assert f"{MULTI_TURN}  " in table and "p@4" in table

@@ -100,6 +100,10 @@ def test_layer_study_rows_resume_and_plot(tiny_run, tmp_path, monkeypatch):
     sim = simulate(engine_from_state_dict(cfg, pruned.state_dict()), prompts, refs, k=4)
     assert rows[2]["untrained_mal"] == pytest.approx(sim.overall.mean_acceptance_length)
     assert (out / "references.jsonl").is_file()
+    # every trained variant against the best one on the same prompts (paired bootstrap)
+    assert all(len(r["per_prompt"]) == r["eval_prompts"] for r in rows)
+    evals = {json.dumps(r["eval_key"], sort_keys=True) for r in rows}
+    assert sum("vs_best" in r for r in rows) == len(rows) - len(evals) > 0
 
     # rerun: every row is read back, nothing is trained
     def boom(*a, **k):

@@ -300,6 +300,8 @@ def test_loss_ablation_rows(workdir, soft_workdir, tmp_path):
     assert [r["name"] for r in out] == ["ce", "kl_topk_loss_on_prompt-True"] == [variant_name(v) for v in variants]
     for r in out:
         assert 1.0 <= r["mal"] <= 5.0 and len(r["per_position"]) == 4 and r["reference_tokens"] == sum(map(len, refs))
+        assert len(r["per_prompt"]) == 4 and r["mal_ci"][0] <= r["mal"] <= r["mal_ci"][1]
+    assert sum("vs_best" in r for r in out) == 1  # the other variant against the best, on the same 4 prompts
     assert loss_ablation(base, variants, prompts, refs, tmp_path / "abl", k=4) == out  # reused, not retrained
 
 

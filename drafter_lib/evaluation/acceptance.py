@@ -89,12 +89,14 @@ class SimulationResult:
     per_category: dict[str, AcceptanceStats]
     seconds: float = 0.0
     drafted_tokens: int = 0  # tokens the drafter was asked for (the simulation's cost)
+    per_prompt: list[list[int]] = field(default_factory=list)  # [steps, accepted drafted tokens] of each prompt
 
     def to_dict(self) -> dict:
         d = self.overall.to_dict()
         d["per_category"] = {c: s.to_dict() for c, s in self.per_category.items()}
         d["seconds"] = self.seconds
         d["drafted_tokens"] = self.drafted_tokens
+        d["per_prompt"] = [list(c) for c in self.per_prompt]  # in prompt order: bootstrap intervals, paired tests
         return d
 
 
@@ -136,6 +138,7 @@ def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Seq
     overall = AcceptanceStats(k)
     per_cat: dict[str, AcceptanceStats] = OrderedDict((c, AcceptanceStats(k)) for c in dict.fromkeys(categories))
     pos = [0] * len(prompts)
+    per_prompt = [[0, 0] for _ in prompts]  # steps, accepted
     sizes = draft_sizes(k, grow)
     drafted = 0
     t0 = time.perf_counter()
@@ -159,6 +162,8 @@ def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Seq
                         continue
                     overall.add(a, len(window))
                     per_cat[categories[s]].add(a, len(window))
+                    per_prompt[s][0] += 1
+                    per_prompt[s][1] += a
                     step = min(a + 1, len(references[s]) - pos[s])
                     pos[s] += step
                     bar.update(step)
@@ -166,7 +171,15 @@ def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Seq
                 if not chunk:
                     break
     bar.close()
-    return SimulationResult(overall, dict(per_cat), time.perf_counter() - t0, drafted)
+    return SimulationResult(overall, dict(per_cat), time.perf_counter() - t0, drafted, per_prompt)
+
+
+def origin_of_groups(groups: Sequence[str], origins: Sequence[str | None]) -> dict[str, str]:
+    """group -> the origin all its items share, or "mixed" ("unknown" for items without one)."""
+    origin_of: dict[str, set] = {}
+    for g, o in zip(groups, origins):
+        origin_of.setdefault(g, set()).add(o or "unknown")
+    return {g: next(iter(os_)) if len(os_) == 1 else "mixed" for g, os_ in origin_of.items()}
 
 
 def pool_by_origin(per_group: dict[str, AcceptanceStats], groups: Sequence[str],
@@ -175,10 +188,7 @@ def pool_by_origin(per_group: dict[str, AcceptanceStats], groups: Sequence[str],
     a group with items of several origins pools under "mixed". {} when no item has an origin."""
     if not any(origins):
         return {}
-    origin_of: dict[str, set] = {}
-    for g, o in zip(groups, origins):
-        origin_of.setdefault(g, set()).add(o or "unknown")
-    label = {g: next(iter(os_)) if len(os_) == 1 else "mixed" for g, os_ in origin_of.items()}
+    label = origin_of_groups(groups, origins)
     pooled: dict[str, AcceptanceStats] = {}
     for g, stats in per_group.items():
         pooled.setdefault(label.get(g, "mixed"), AcceptanceStats(stats.k)).merge(stats)

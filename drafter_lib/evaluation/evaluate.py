@@ -6,7 +6,9 @@ Two measurements, both following the greedy verification rule of `speculative`:
    target's greedy references, computed once per prompt (`greedy_references`, cached in a JSONL). A chat's later
    turns are items of their own (`heldout.conversation_items`), prompted with the target's own earlier answers
    (`conversation_references`). Reported per drafter: overall and per-category mean acceptance length and the
-   acceptance rate of every draft position (`baselines_table`, `metrics`, `save_plots`).
+   acceptance rate of every draft position (`baselines_table`, `metrics`, `save_plots`), each MAL with a 95 %
+   bootstrap interval over prompts and every drafter against the primary on the same prompts (`bootstrap`,
+   `interval_table`).
 2. End-to-end speculative decoding (`end_to_end`, one real target forward per step through
    `speculative.speculative_generate`): its output must equal the target's greedy output exactly (lossless), and
    its wall clock is compared with plain greedy decoding on the same prompts.
@@ -28,7 +30,8 @@ from drafter_lib.common.files import read_jsonl, write_json, write_jsonl
 from drafter_lib.data.heldout import conversation_items, load_heldout_sets, round_robin, with_answers
 from drafter_lib.decoding.backends import make_backend
 from drafter_lib.decoding.speculative import as_target, mean_acceptance_length, speculative_generate
-from drafter_lib.evaluation.acceptance import pool_by_origin, simulate
+from drafter_lib.evaluation import bootstrap
+from drafter_lib.evaluation.acceptance import origin_of_groups, pool_by_origin, simulate
 from drafter_lib.evaluation.drafters import engine_from_dir, load_hf_checkpoint, standard_baselines
 from drafter_lib.packed.config_keys import RECOMMENDED
 
@@ -331,6 +334,9 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
         # the same statistics pooled by where the prompts come from (stages.eval_records: the run's own held-out
         # split, drawn from its training sources, against sets of other sources); {} when items carry no origin
         "acceptance_by_origin": by_origin if any(by_origin.values()) else {},
+        # 95 % bootstrap intervals over prompts (bootstrap.py): each drafter's MAL overall ("all"), per group and
+        # per origin, and each drafter against the primary on the same prompts (paired)
+        **intervals(results, groups, origins, primary),
         "lossless": e2e.get("lossless"),
         "speedup": e2e.get("speedup"),
         "end_to_end": e2e,
@@ -338,6 +344,38 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
         "reference_seconds": ref_s,
         "item_ids": [it["id"] for it in items],
     }
+
+
+def intervals(results: dict[str, dict], groups: Sequence[str], origins: Sequence[str | None], primary: str) -> dict:
+    """{"mal_ci": drafter -> {"all" | group -> mal_interval}, "mal_ci_by_origin": drafter -> {origin ->
+    mal_interval} ({} without origins), "paired_vs_primary": drafter -> paired_difference(drafter, primary)}."""
+    labels = origin_of_groups(groups, origins)
+    by_item = [labels[g] for g in groups]
+    out = {"mal_ci": {}, "mal_ci_by_origin": {}, "paired_vs_primary": {}}
+    for name, r in results.items():
+        per = r["per_prompt"]
+        out["mal_ci"][name] = {"all": bootstrap.mal_interval(per), **bootstrap.group_intervals(per, groups)}
+        if any(origins):
+            out["mal_ci_by_origin"][name] = bootstrap.group_intervals(per, by_item)
+        if name != primary:
+            out["paired_vs_primary"][name] = bootstrap.paired_difference(per, results[primary]["per_prompt"])
+    return out
+
+
+def interval_table(metrics: dict) -> str:
+    """Each drafter's MAL with its 95 % interval overall and per origin (columns), then each drafter minus the
+    primary on the same prompts, and whether the interval of that difference excludes 0."""
+    names = list(metrics["mal_ci"])
+    origins = list(dict.fromkeys(o for r in metrics.get("mal_ci_by_origin", {}).values() for o in r))
+    rows = [[n, bootstrap.fmt(metrics["mal_ci"][n]["all"])]
+            + [bootstrap.fmt(metrics["mal_ci_by_origin"].get(n, {}).get(o)) for o in origins] for n in names]
+    table = _fmt_table(["drafter", "all"] + origins, rows)
+    diffs = [[n, f"{d['difference']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]", "yes" if d["resolved"] else "no"]
+             for n, d in metrics.get("paired_vs_primary", {}).items()]
+    if diffs:
+        table += (f"\n\nminus {metrics['primary']}, same prompts (paired):\n"
+                  + _fmt_table(["drafter", "difference [95 %]", "resolved"], diffs))
+    return table
 
 
 def save_plots(metrics: dict, out_dir: str | Path) -> list[Path]:
@@ -401,6 +439,7 @@ def main(argv=None) -> dict:
     metrics.update({"target": args.target, "model": str(args.model), "prompts": list(args.prompts)})
     print()
     print(baselines_table(metrics["baselines"], args.k, metrics["prompts_per_category"]))
+    print("\nmean acceptance length, 95 % bootstrap interval over prompts:\n" + interval_table(metrics))
     print(f"\nlossless: {metrics['lossless']}   speedup: {metrics['speedup']}")
     if args.out:
         write_metrics(args.out, metrics)

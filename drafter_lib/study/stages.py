@@ -337,5 +337,6 @@ def evaluate_run(cfg: config.StudyConfig, run: RunLayout) -> dict:
     evaluate.write_metrics(run.eval_metrics, metrics)
     evaluate.write_metrics(run.metrics, metrics)
     print(evaluate.baselines_table(metrics["baselines"], e.k, metrics["prompts_per_category"]))
+    print("\nmean acceptance length, 95 % bootstrap interval over prompts:\n" + evaluate.interval_table(metrics))
     print("\nby origin of the prompts:\n" + evaluate.origin_table(metrics["acceptance_by_origin"]))
     return metrics

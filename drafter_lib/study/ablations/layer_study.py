@@ -49,6 +49,7 @@ from tqdm.auto import tqdm
 
 from drafter_lib.common.files import read_json, read_jsonl, write_jsonl
 from drafter_lib.common.layout import LayerStudyLayout, RunLayout, repo_relative
+from drafter_lib.evaluation.bootstrap import against_best
 from drafter_lib.study import config
 from drafter_lib.study.ablations import layer_costs
 from drafter_lib.study.ablations.layer_grid import (
@@ -140,7 +141,7 @@ def mal_of(hf_config, state_dict, prompts, refs, groups, k: int, desc: str, batc
     return {"mal": res.overall.mean_acceptance_length, "hist": list(res.overall.hist),
             "p_at_1": res.overall.per_position_acceptance[0],
             "mal_per_group": {c: s.mean_acceptance_length for c, s in res.per_category.items()},
-            "sim_seconds": res.seconds}
+            "sim_seconds": res.seconds, "per_prompt": res.per_prompt}
 
 
 def _param_count(model) -> int:
@@ -317,6 +318,7 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
             "untrained_p_at_1": u["p_at_1"], "trained_p_at_1": trained["p_at_1"],
             "untrained_hist": u["hist"], "trained_hist": trained["hist"],
             "untrained_mal_per_group": u["mal_per_group"], "trained_mal_per_group": trained["mal_per_group"],
+            "per_prompt": trained["per_prompt"],  # [steps, accepted] per eval prompt: intervals, paired comparisons
             "coverage": layer_costs.held_out_coverage(sd.get(IDS_TENSOR), val=val_conts, refs=refs),
             "train_seconds": None if reused else round(train_s, 1),
             "tokens_per_s": train_tok[-1] if train_tok else None,
@@ -333,6 +335,12 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
             for sub in (run_out.root / CKPT_DIR, run_out.best_distill, run_out.best):
                 shutil.rmtree(sub, ignore_errors=True)
     bar.close()
+    # each trained variant against the best on the same prompts (rows that share eval_key share their prompts)
+    by_eval: dict = {}
+    for r in rows:
+        by_eval.setdefault(json.dumps(r.get("eval_key"), sort_keys=True), []).append(r)
+    for group in by_eval.values():
+        against_best(group, mal="trained_mal")
     return rows
 
 

@@ -42,8 +42,10 @@ def loss_ablation(base_cfg, variants: Sequence[dict], prompts: Sequence[Sequence
                   references: Sequence[Sequence[int]], out_dir: str | Path, *, k: int = 16,
                   categories: Sequence[str] | None = None, sim_batch_size: int = 16) -> list[dict]:
     """One row per variant: {"name", "overrides", "mal", "p_at_1", "per_position", "mal_per_category",
-    "best_val_loss", "best_step", "final_objective", "train_seconds"}. Training runs qat_steps=0."""
+    "best_val_loss", "best_step", "final_objective", "train_seconds", "per_prompt", "mal_ci", "vs_best"} (the last
+    three: bootstrap.against_best on the same prompts). Training runs qat_steps=0."""
     from drafter_lib.evaluation.acceptance import simulate
+    from drafter_lib.evaluation.bootstrap import against_best
     from drafter_lib.evaluation.drafters import engine_from_state_dict, load_hf_checkpoint
     from drafter_lib.train.trainer import TrainConfig, run_training
 
@@ -75,7 +77,8 @@ def loss_ablation(base_cfg, variants: Sequence[dict], prompts: Sequence[Sequence
                "best_val_loss": info.get("val_loss"), "best_step": info.get("step"),
                "final_objective": train_recs[-1].get("objective", train_recs[-1]["loss"]) if train_recs else None,
                "train_seconds": round(train_s, 1), "k": k,
-               "eval_prompts": len(prompts), "reference_tokens": sum(map(len, references))}
+               "eval_prompts": len(prompts), "reference_tokens": sum(map(len, references)),
+               "per_prompt": sim.per_prompt}
         write_json(row_path, row)
         rows.append(row)
-    return rows
+    return against_best(rows)  # paired 95 % intervals against the best variant: is the choice resolved?

@@ -141,6 +141,16 @@ def test_compare_runs_reports_curves_and_acceptance(tmp_path):
     assert rep["lr b"]["first_position_acceptance"] == {"packed": 0.6}
     assert json.loads((tmp_path / "out" / "runs.json").read_text()) == rep
     assert (tmp_path / "out" / "val_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "paired" not in rep["lr b"]  # metrics without per-prompt counts: no paired comparison
+    # with per-prompt counts, on the prompts both runs evaluated: b accepts one more token per step on each
+    for name, acc in (("a", 5), ("b", 15)):
+        write_json(tmp_path / name / "metrics.json", {
+            "primary": "packed", "item_ids": ["p1", "p2", "p3", name],
+            "baselines": {"packed": {"mean_acceptance_length": 1.5, "per_position_acceptance": [0.5],
+                                     "per_prompt": [[10, acc], [10, acc + 1], [10, acc + 2], [10, 0]]}}})
+    paired = compare_runs({"lr a": tmp_path / "a", "lr b": tmp_path / "b"}, tmp_path / "out")["lr b"]["paired"]
+    assert paired["against"] == "lr a" and paired["prompts"] == 3 and paired["resolved"]
+    assert paired["difference"] == pytest.approx(1.0)
     with pytest.raises(FileNotFoundError, match="03_train_qat"):
         compare_runs({"none": tmp_path / "missing"}, tmp_path / "out2")
     with pytest.raises(SystemExit):

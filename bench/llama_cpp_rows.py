@@ -60,23 +60,20 @@ def greedy_by_pass(passes) -> tuple[list[int], list[float]]:
 def check_rows(plain_runs, rows: dict, runs: dict) -> None:
     """Per row: `lossless` (every output is what its passes' greedy tokens give), `equal_to_plain` (outputs equal to
     plain one-token decoding) and, where they part, the plain run's top-2 margin at that token."""
+    plain_outputs = rows["plain greedy"]["outputs"]
     plain_margins = [greedy_by_pass(p)[1] for p in plain_runs]
     everyday = statistics.median(m for ms in plain_margins for m in ms)
     for name, row in rows.items():
         ok, parted = True, []
-        for out, passes, plain_out, margins in zip(row["outputs"], runs[name], rows_plain(rows), plain_margins):
+        for out, passes, plain_out, margins in zip(row["outputs"], runs[name], plain_outputs, plain_margins):
             greedy, _ = greedy_by_pass(passes)
             ok &= greedy[:len(out)] == out
             if out != plain_out:
                 at = next((i for i, (a, b) in enumerate(zip(out, plain_out)) if a != b), min(len(out), len(plain_out)))
                 if at < len(margins):
                     parted.append(margins[at])
-        row.update(lossless=ok, equal_to_plain=sum(o == p for o, p in zip(row["outputs"], rows_plain(rows))),
+        row.update(lossless=ok, equal_to_plain=sum(o == p for o, p in zip(row["outputs"], plain_outputs)),
                    parted_margins=parted, median_margin=everyday)
-
-
-def rows_plain(rows: dict) -> list:
-    return rows["plain greedy"]["outputs"]
 
 
 def user_rows(model_path, prompts, max_new: int, stop, drafters: dict, n_ctx: int) -> dict:

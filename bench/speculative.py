@@ -350,8 +350,7 @@ def main(argv=None) -> list[dict]:
             res = run_interleaved(target, prompts, args.max_new_tokens, stop,
                                   {"plain greedy": (None, 0), **drafters, **extra})
             if llama:  # lossless by the passes; outputs equal to plain counted apart
-                check_rows([run for run in res["plain greedy"]["passes"]], res,
-                           {name: r["passes"] for name, r in res.items()})
+                check_rows(res["plain greedy"]["passes"], res, {name: r["passes"] for name, r in res.items()})
             plain = res.pop("plain greedy")
             mine = [{"target": tname, "drafter": "plain greedy", **plain, "speedup": 1.0, "lossless": True,
                      "costs": costs, "linears": target.linears}]

@@ -328,9 +328,42 @@ def test_too_little_disk_stops_the_run_naming_the_keys(monkeypatch, tmp_path, ca
     targets.write_bytes(b"x" * 2_000_000)
     _small_disk(monkeypatch, 10 ** 12)
     rep = config_checks.check_disk(cfg, run_dir)
-    assert rep["written"] == 2_000_000
-    assert rep["needed"] == int((rep["estimate"].total - 2_000_000) * config_checks.DISK_MARGIN) \
+    assert rep["written"] == 2_000_000 and rep["train_bytes"] > 0
+    assert rep["needed"] == int((rep["estimate"].total - 2_000_000 + rep["train_bytes"]) * config_checks.DISK_MARGIN) \
         + config_checks.DISK_MARGIN_BYTES
+    # training alone pending (the teacher's stage done): its checkpoints and exports need room too
+    teacher_done = config_checks.check_disk(cfg, run_dir, teacher_pending=False, train_pending=True)
+    assert teacher_done["needed"] == int(rep["train_bytes"] * config_checks.DISK_MARGIN) \
+        + config_checks.DISK_MARGIN_BYTES
+    _small_disk(monkeypatch, config_checks.DISK_MARGIN_BYTES + 10)  # room for the margin, not for training
+    with pytest.raises(C.ConfigError) as e:
+        config_checks.check_disk(cfg, run_dir, teacher_pending=False, train_pending=True)
+    assert str(e.value).startswith("train.keep_checkpoints, study.keep_layers, train.draft_vocab_size: training "
+                                   "keeps at most")
+    assert "or lower train.keep_checkpoints" in str(e.value)
+
+
+def test_train_bytes_bound_a_real_training_run(tmp_path, tiny_random):
+    """The training estimate against the files a real (tiny) training run keeps: checkpoints, best_distill/, best/."""
+    from test_train import cfg_for
+
+    from drafter_lib.train.trainer import run_training
+
+    model, tok = tiny_random("llama", hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    rows = [{"id": f"r{i}", "category": "c", "source": "t", "prompt_ids": [10 + i, 11, 12, 13],
+             "continuation_ids": [40 + j % 5 for j in range(12)] + [258]} for i in range(32)]
+    (tmp_path / "targets.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = cfg_for(tmp_path, tmp_path / "out", steps=6, qat_steps=3, ckpt_every=2)
+    run_training(cfg)
+    kept = sum(f.stat().st_size for f in (tmp_path / "out").rglob("*") if f.is_file()
+               and ("checkpoints" in f.parts or "best" in f.parts or "best_distill" in f.parts))
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "attention_width": 32, "vocab_size": len(tok)}
+    est = de.train_bytes(de.drafter_params(sizes, 2, None), cfg.keep_checkpoints)  # keep_layers even:2
+    assert kept <= est <= 3 * kept, (kept, est)
 
 
 def test_the_cli_prints_the_estimate_and_refuses_before_any_stage(monkeypatch, capsys):

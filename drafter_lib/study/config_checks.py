@@ -314,6 +314,7 @@ def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = Tr
 DISK_MARGIN = 1.1
 DISK_MARGIN_BYTES = 512 * 2 ** 20
 DISK_KEYS = "data.total_prompts, teacher.max_new_tokens, teacher.soft_topk, teacher.soft_prompt"
+TRAIN_DISK_KEYS = "train.keep_checkpoints, study.keep_layers, train.draft_vocab_size"
 
 
 def _shown(path: Path) -> str:
@@ -335,16 +336,36 @@ def _free_bytes(path: Path) -> tuple[int, Path]:
     return shutil.disk_usage(p).free, p
 
 
-def check_disk(cfg: StudyConfig, run_dir, teacher_pending: bool = True, out=None) -> dict:
-    """Print how many bytes the teacher's answers and soft labels take, at most (disk_estimate), and stop a run
-    whose filesystem has less room than that (times DISK_MARGIN, plus DISK_MARGIN_BYTES), less what a stopped run
-    already wrote. teacher_pending False (its stage done or not run): printed, not required.
-    -> {"estimate", "written", "needed", "free", "path"}."""
+def _train_bytes(cfg: StudyConfig) -> tuple[int, int] | None:
+    """(bytes, drafter parameters) that training keeps at most, from the drafter base's config (no weights); None
+    when its sizes cannot be read offline."""
+    from drafter_lib.model.hf_models import model_sizes, parse_keep
+    from drafter_lib.study import disk_estimate as de
+
+    try:
+        sizes = model_sizes(cfg.study.drafter_base or cfg.study.teacher, allow_download=False)
+        layers = len(parse_keep(cfg.study.keep_layers, sizes["num_hidden_layers"])) if sizes else 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not sizes:
+        return None
+    params = de.drafter_params(sizes, layers, cfg.train.draft_vocab_size)
+    return de.train_bytes(params, cfg.train.keep_checkpoints), params
+
+
+def check_disk(cfg: StudyConfig, run_dir, teacher_pending: bool = True, out=None,
+               train_pending: bool | None = None) -> dict:
+    """Print how many bytes the teacher's answers and soft labels take, at most, and training's checkpoints and
+    exports (disk_estimate), and stop a run whose filesystem has less room than what its pending stages still write
+    (times DISK_MARGIN, plus DISK_MARGIN_BYTES), less what a stopped teacher stage already wrote. A stage not
+    pending (done or not run; train_pending None: as the teacher) is printed, not required.
+    -> {"estimate", "written", "train_bytes", "needed", "free", "path"}."""
     from drafter_lib.common.layout import RunLayout
     from drafter_lib.model.hf_models import model_sizes
     from drafter_lib.study import disk_estimate as de
 
     out = out or sys.stdout
+    train_pending = teacher_pending if train_pending is None else train_pending
     try:
         vocab = (model_sizes(cfg.study.teacher, allow_download=False) or {}).get("vocab_size")
     except (OSError, ValueError, KeyError):
@@ -352,19 +373,41 @@ def check_disk(cfg: StudyConfig, run_dir, teacher_pending: bool = True, out=None
     est = de.estimate(cfg, vocab)
     written = de.written_bytes(RunLayout.of(run_dir).targets)
     need = max(est.total - written, 0) if teacher_pending else 0
+    train = _train_bytes(cfg)
+    train_need = train[0] if train and train_pending else 0
     free, where = _free_bytes(Path(run_dir))
-    required = int(need * DISK_MARGIN) + DISK_MARGIN_BYTES if need else 0
-    status = "to write" if teacher_pending else "not written by this run's stages"
+    margin = lambda n: int(n * DISK_MARGIN) + DISK_MARGIN_BYTES if n else 0  # noqa: E731
+    not_here = "not written by this run's stages"
+    status = "to write" if teacher_pending else not_here
     done = f", {de.human_bytes(written)} of it written already" if written else ""
     print(f"[study] disk: the teacher's answers and soft labels take {est.describe()}{done}, {status}; "
           f"{de.human_bytes(free)} free on the filesystem of {_shown(where)}", file=out)
-    _need(free >= required, DISK_KEYS,
+    if train:
+        print(f"[study] disk: training keeps {_train_describe(*train, cfg)}, "
+              f"{'to write' if train_pending else not_here}", file=out)
+    _need(free >= margin(need), DISK_KEYS,
           f"the teacher's answers and soft labels take {est.describe()}; with the margin this run needs "
-          f"{de.human_bytes(required)} free, but the filesystem of {_shown(where)} has "
+          f"{de.human_bytes(margin(need))} free, but the filesystem of {_shown(where)} has "
           f"{de.human_bytes(free)}: free some space or put the run elsewhere (--runs-dir), or lower "
           "data.total_prompts or teacher.max_new_tokens or teacher.soft_topk, or set teacher.soft_prompt=false "
           "(soft labels at prompt positions, for train.loss_on_prompt)")
-    return {"estimate": est, "written": written, "needed": required, "free": free, "path": where}
+    required = margin(need + train_need)
+    _need(free >= required, TRAIN_DISK_KEYS,
+          f"training keeps {_train_describe(*train, cfg) if train else ''}; with the teacher's files and the margin "
+          f"this run needs {de.human_bytes(required)} free, but the filesystem of {_shown(where)} has "
+          f"{de.human_bytes(free)}: free some space or put the run elsewhere (--runs-dir), or lower "
+          "train.keep_checkpoints, or keep fewer layers (study.keep_layers) or a smaller head (train.draft_vocab_size)")
+    return {"estimate": est, "written": written, "train_bytes": train[0] if train else None, "needed": required,
+            "free": free, "path": where}
+
+
+def _train_describe(nbytes: int, params: int, cfg: StudyConfig) -> str:
+    from drafter_lib.study import disk_estimate as de
+
+    keep = cfg.train.keep_checkpoints
+    return (f"at most {de.human_bytes(nbytes)} ({params / 1e6:.1f}M drafter parameters: {keep} checkpoints and the one "
+            f"being written at {de.CKPT_BYTES_PER_PARAM} B a parameter, best_distill/ and best/ at "
+            f"{de.EXPORT_BYTES_PER_PARAM} B)")
 
 
 def waste_notes(cfg: StudyConfig) -> list[str]:

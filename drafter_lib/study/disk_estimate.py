@@ -117,3 +117,25 @@ def written_bytes(targets_path: str | Path) -> int:
     p = Path(targets_path)
     files = ([p] if p.is_file() else []) + list_parts(soft_dir_for(p))
     return sum(f.stat().st_size for f in files)
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+CKPT_BYTES_PER_PARAM = 12  # a resumable checkpoint: fp32 weights and AdamW's two fp32 moments
+EXPORT_BYTES_PER_PARAM = 4  # best_distill/ and best/: fp32 safetensors
+
+
+def drafter_params(sizes: dict, layers: int, draft_vocab: int | None) -> int:
+    """At most how many parameters the drafter trains: `layers` decoder layers of the base's `sizes`
+    (hf_models.model_sizes; k and v taken as wide as q), its embedding, and a head of `draft_vocab` rows (None: the
+    whole vocabulary), untied."""
+    h, i, width = sizes["hidden_size"], sizes["intermediate_size"], sizes["attention_width"]
+    vocab = sizes.get("vocab_size") or UNKNOWN_VOCAB
+    per_layer = 4 * h * width + 3 * h * i + 2 * h  # q, k, v, o; gate, up, down; two norms
+    return layers * per_layer + vocab * h + (draft_vocab or vocab) * h + h
+
+
+def train_bytes(params: int, keep_checkpoints: int) -> int:
+    """Bytes training keeps at its peak: `keep_checkpoints` checkpoints and the one being written, best_distill/,
+    best/ and the copy of one of them while it is replaced."""
+    return params * (CKPT_BYTES_PER_PARAM * (keep_checkpoints + 1) + EXPORT_BYTES_PER_PARAM * 3)

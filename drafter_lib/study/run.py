@@ -98,9 +98,12 @@ def run_study(preset: str = "default", name: str | None = None, runs_dir: str | 
     import papermill
 
     run = RunLayout.named(name or preset, runs_dir)
-    # the teacher's bytes on disk, printed up front; a filesystem with less room stops the run here (ConfigError)
-    check_disk(cfg, run.root, "02_teacher" in wanted and (force or not all(stage_done(run, s, cfg) for s in
-                                                                           ("01_data", "02_teacher"))))
+    # the teacher's and training's bytes on disk, printed up front; a filesystem with less room than the stages still
+    # to run write stops the run here (ConfigError)
+    def pending(stage: str, after: tuple = ()) -> bool:
+        return stage in wanted and (force or not all(stage_done(run, s, cfg) for s in (*after, stage)))
+
+    check_disk(cfg, run.root, pending("02_teacher", ("01_data",)), train_pending=pending("03_train_qat"))
     run.notebooks_dir.mkdir(parents=True, exist_ok=True)
     run.stages_dir.mkdir(exist_ok=True)
     config.save_run_config(run, cfg, preset, overrides)

@@ -38,12 +38,8 @@ def reference_stream(be: HFBackend, prompts, max_new_tokens, stop_ids, batch_siz
     stop = set(stop_ids)
     for b0 in range(0, len(prompts), batch_size):
         batch = prompts[b0:b0 + batch_size]
-        T = max(len(p) for p in batch)
-        ids = torch.full((len(batch), T), be.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), T), dtype=torch.long)
-        for i, p in enumerate(batch):
-            ids[i, T - len(p):] = torch.tensor(p)
-            mask[i, T - len(p):] = 1
+        ids, mask = backends.left_padded(batch, be.pad_id)
+        T = ids.shape[1]
         out = be.model.generate(
             input_ids=ids.to(be.device), attention_mask=mask.to(be.device), max_new_tokens=max_new_tokens,
             do_sample=False, eos_token_id=stop_ids, pad_token_id=be.pad_id, top_p=None, top_k=None,

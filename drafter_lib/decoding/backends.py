@@ -60,6 +60,17 @@ class TopKRecorder:
         return sum(t.numel() for t in self.ids) + sum(t.numel() for t in self.logprobs)
 
 
+def left_padded(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, T] of prompts padded on the left, as `generate` wants a batch."""
+    T = max(len(p) for p in batch)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), T), dtype=torch.long)
+    for i, p in enumerate(batch):
+        ids[i, T - len(p):] = torch.tensor(p)
+        mask[i, T - len(p):] = 1
+    return ids, mask
+
+
 class HFBackend:
     """transformers generate, greedy, left-padded static batches."""
 
@@ -80,12 +91,8 @@ class HFBackend:
         stop = set(stop_ids)
         for b0 in range(0, len(prompts), batch_size):
             batch = prompts[b0:b0 + batch_size]
-            T = max(len(p) for p in batch)
-            ids = torch.full((len(batch), T), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), T), dtype=torch.long)
-            for i, p in enumerate(batch):
-                ids[i, T - len(p):] = torch.tensor(p)
-                mask[i, T - len(p):] = 1
+            ids, mask = left_padded(batch, self.pad_id)
+            T = ids.shape[1]
             extra = {}
             recorder = None
             if top_k:

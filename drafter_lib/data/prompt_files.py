@@ -95,17 +95,35 @@ def record_from_row(row: dict, source: str, index: int, category: str | None = N
             "category": str(row.get("category") or category or source), "messages": msgs}
 
 
+def jsonl_rows(lines, where):
+    """The JSON rows of JSONL text lines (blank lines skipped); a bad line is a ValueError naming `where` and its
+    line number."""
+    for n, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}:{n}: not valid JSON ({e.msg})") from None
+
+
+def records_from_rows(rows, where, source: str, category: str | None = None, turns: str = "all") -> list[dict]:
+    """Prompt records (`record_from_row`) of a file's rows; a row that is not a JSON object is a ValueError."""
+    out = []
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: row {i} is not a JSON object")
+        rec = record_from_row(row, source, i, category, turns)
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
 def _read_rows(path: Path):
     suffix = "".join(path.suffixes[-2:]) if path.suffix == ".gz" else path.suffix
     if suffix in (".jsonl", ".jsonl.gz"):
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt", encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        yield json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            yield from jsonl_rows(f, path)
     elif suffix == ".json":
         data = json.loads(path.read_text(encoding="utf-8"))
         if not isinstance(data, list):
@@ -126,15 +144,7 @@ def load_prompt_file(path, source: str | None = None, category: str | None = Non
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} not found")
-    source = source or path.name.split(".")[0]
-    out = []
-    for i, row in enumerate(_read_rows(path)):
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}: row {i} is not a JSON object")
-        rec = record_from_row(row, source, i, category, turns)
-        if rec is not None:
-            out.append(rec)
-    return out
+    return records_from_rows(_read_rows(path), path, source or path.name.split(".")[0], category, turns)
 
 
 def load_hf_dataset(dataset: str, revision: str, split: str = "train", config: str | None = None,

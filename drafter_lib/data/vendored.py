@@ -25,7 +25,7 @@ from pathlib import Path
 
 from drafter_lib.common.files import read_json, write_json
 from drafter_lib.common.layout import VENDORED_CORPORA_DIR, repo_relative
-from drafter_lib.data.prompt_files import record_from_row
+from drafter_lib.data.prompt_files import jsonl_rows, records_from_rows
 
 SUFFIX = ".xz"
 MANIFEST = "manifest.json"
@@ -129,22 +129,8 @@ def load_vendored(path, source: str | None = None, category: str | None = None,
     records are those `prompt_files.load_prompt_file` reads from the original .jsonl (same lines, same rules)."""
     path = Path(path)
     data, entry = read_verified(path)
-    source = source or corpus_name(path.name)
-    out, i = [], 0
     with io.TextIOWrapper(io.BytesIO(data), encoding="utf-8") as f:  # what open(.., "rt") does to the original
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: row {i} is not a JSON object")
-            rec = record_from_row(row, source, i, category, turns)
-            i += 1
-            if rec is not None:
-                out.append(rec)
+        out = records_from_rows(jsonl_rows(f, path), path, source or corpus_name(path.name), category, turns)
     return out, entry["decompressed_sha256"]
 
 

@@ -18,11 +18,11 @@ also go into the generation config's suppress_tokens, which transformers applies
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 from pathlib import Path
 
+from drafter_lib.common.files import read_json, write_json
 from drafter_lib.common.layout import REPO_ROOT, RunLayout
 from drafter_lib.model import draft_vocab, hf_models
 from drafter_lib.packed.config_keys import STUDY_KEYS
@@ -93,8 +93,8 @@ def recorded_teacher(packed: PackedModel) -> str | None:
     for root in roots:
         run = RunLayout(Path(root))
         try:
-            same = json.loads((run.model_dir / "manifest.json").read_text()).get("files") == manifest.get("files")
-            models = json.loads(run.architecture.read_text()).get("models", [])
+            same = read_json(run.model_dir / "manifest.json").get("files") == manifest.get("files")
+            models = read_json(run.architecture).get("models", [])
         except (OSError, ValueError):
             continue
         if same:
@@ -185,7 +185,7 @@ def export_hf(model_dir: str | os.PathLike, out_dir: str | os.PathLike, teacher:
     if suppress:
         record["draft_vocab"] = {"size": int(packed.config[draft_vocab.CONFIG_KEY]["size"]),
                                  "out_of_vocab_rows": OUT_OF_VOCAB_ROWS, "suppress_tokens": len(suppress)}
-    (out / EXPORT_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    write_json(out / EXPORT_RECORD, record, indent=1)
     return model
 
 

@@ -336,18 +336,27 @@ def _free_bytes(path: Path) -> tuple[int, Path]:
     return shutil.disk_usage(p).free, p
 
 
-def _train_bytes(cfg: StudyConfig) -> tuple[int, int] | None:
-    """(bytes, drafter parameters) that training keeps at most, from the drafter base's config (no weights); None
-    when its sizes cannot be read offline."""
-    from drafter_lib.model.hf_models import model_sizes, parse_keep
-    from drafter_lib.study import disk_estimate as de
+def _offline_sizes(spec: str) -> dict | None:
+    """hf_models.model_sizes of `spec` from what is on this machine (None: not readable offline)."""
+    from drafter_lib.model.hf_models import model_sizes
 
     try:
-        sizes = model_sizes(cfg.study.drafter_base or cfg.study.teacher, allow_download=False)
-        layers = len(parse_keep(cfg.study.keep_layers, sizes["num_hidden_layers"])) if sizes else 0
-    except (OSError, ValueError, KeyError, TypeError):
+        return model_sizes(spec, allow_download=False)
+    except (OSError, ValueError, KeyError):
         return None
+
+
+def _train_bytes(cfg: StudyConfig, sizes: dict | None) -> tuple[int, int] | None:
+    """(bytes, drafter parameters) that training keeps at most, from the drafter base's `sizes` (its config, no
+    weights); None when they could not be read."""
+    from drafter_lib.model.hf_models import parse_keep
+    from drafter_lib.study import disk_estimate as de
+
     if not sizes:
+        return None
+    try:
+        layers = len(parse_keep(cfg.study.keep_layers, sizes["num_hidden_layers"]))
+    except (ValueError, KeyError, TypeError):
         return None
     params = de.drafter_params(sizes, layers, cfg.train.draft_vocab_size)
     return de.train_bytes(params, cfg.train.keep_checkpoints), params
@@ -361,19 +370,15 @@ def check_disk(cfg: StudyConfig, run_dir, teacher_pending: bool = True, out=None
     pending (done or not run; train_pending None: as the teacher) is printed, not required.
     -> {"estimate", "written", "train_bytes", "needed", "free", "path"}."""
     from drafter_lib.common.layout import RunLayout
-    from drafter_lib.model.hf_models import model_sizes
     from drafter_lib.study import disk_estimate as de
 
     out = out or sys.stdout
     train_pending = teacher_pending if train_pending is None else train_pending
-    try:
-        vocab = (model_sizes(cfg.study.teacher, allow_download=False) or {}).get("vocab_size")
-    except (OSError, ValueError, KeyError):
-        vocab = None
-    est = de.estimate(cfg, vocab)
+    teacher = _offline_sizes(cfg.study.teacher)  # the drafter base too, unless it is another model
+    est = de.estimate(cfg, (teacher or {}).get("vocab_size"))
     written = de.written_bytes(RunLayout.of(run_dir).targets)
     need = max(est.total - written, 0) if teacher_pending else 0
-    train = _train_bytes(cfg)
+    train = _train_bytes(cfg, _offline_sizes(cfg.study.drafter_base) if cfg.study.drafter_base else teacher)
     train_need = train[0] if train and train_pending else 0
     free, where = _free_bytes(Path(run_dir))
     margin = lambda n: int(n * DISK_MARGIN) + DISK_MARGIN_BYTES if n else 0  # noqa: E731

@@ -26,6 +26,7 @@ import torch
 
 from drafter_lib.common.checks import check_token_ids
 from drafter_lib.decoding.target_matmul import hold_linears
+from drafter_lib.decoding.tree import DraftTree, accept_tree, attention_mask, verify_positions
 from drafter_lib.model.draft_vocab import full_vocab_logits
 from drafter_lib.model.transformer import KVCache, Transformer
 
@@ -152,6 +153,37 @@ class HFTarget:
         # a drafter with a reduced draft-vocabulary head (greedy references of it) still speaks full-vocabulary ids
         return full_vocab_logits(logits, getattr(self.model, "draft_vocab_ids", None), self.vocab_size)
 
+    @torch.inference_mode()
+    def score_tree(self, new_tokens: Sequence[int], tree: DraftTree) -> torch.Tensor:
+        """Append `new_tokens` (at least one) and every node of `tree` to the cache in one pass under a 4D mask
+        (a node attends to the context and its ancestors); float logits [1 + N, V]: row 0 after the last new
+        token, row i + 1 after node i. Then `commit_tree` keeps the accepted path."""
+        new_tokens = list(new_tokens)
+        if not new_tokens:
+            raise ValueError("score_tree needs at least one new token (the row before the tree's root)")
+        if len(new_tokens) > 1:  # the prompt or a long tail: a plain causal pass first
+            self.score(new_tokens[:-1], keep=1)
+        start = self.cached_len
+        ids = torch.tensor([new_tokens[-1:] + list(tree.tokens)], dtype=torch.long, device=self.device)
+        pos = verify_positions(start, 1, tree)[None].to(self.device)
+        dtype = next(self.model.parameters()).dtype
+        allowed = attention_mask(start, 1, tree)[None, None].to(self.device)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device).masked_fill(~allowed,
+                                                                                       torch.finfo(dtype).min)
+        kw = {self._cache_kw: self.cache, "position_ids": pos, "attention_mask": mask,
+              "cache_position": torch.arange(start, start + ids.shape[1], device=self.device)}
+        with _env(_FORCE_GQA, "1" if self.gqa_kernel else None), _installed(self.packed):
+            logits = self.model(input_ids=ids, use_cache=True, **kw).logits[0].float()
+        return full_vocab_logits(logits, getattr(self.model, "draft_vocab_ids", None), self.vocab_size)
+
+    def commit_tree(self, base: int, path: Sequence[int]) -> None:
+        """Keep the first `base` cached tokens and, after them, the K/V of the tree nodes on `path` (a tree scored
+        from slot `base`), dropping the rest."""
+        idx = torch.tensor([base + i for i in path], dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            layer.keys = torch.cat([layer.keys[..., :base, :], layer.keys.index_select(-2, idx)], dim=-2)
+            layer.values = torch.cat([layer.values[..., :base, :], layer.values.index_select(-2, idx)], dim=-2)
+
     def rollback(self, n: int) -> None:
         remove = self.cached_len - n
         if remove < 0:
@@ -223,6 +255,34 @@ class NativeTarget:
         self.cache.lengths[0] = end
         return full_vocab_logits(logits, self.model.draft_vocab_ids, self.vocab_size)
 
+    @torch.inference_mode()
+    def score_tree(self, new_tokens: Sequence[int], tree: DraftTree) -> torch.Tensor:
+        """HFTarget.score_tree's contract: the new tokens, then every node of `tree` at slots after them, in one
+        tree-attention pass; logits [1 + N, V]."""
+        new_tokens = list(new_tokens)
+        if not new_tokens:
+            raise ValueError("score_tree needs at least one new token (the row before the tree's root)")
+        if len(new_tokens) > 1:
+            self.score(new_tokens[:-1], keep=1)
+        start, n = self.cached_len, len(tree) + 1
+        if self.cache is None:
+            self.cache = self.model.new_cache(1, max(start + n, 256))
+        elif start + n > self.cache.capacity:
+            self.cache.grow(max(start + n, 2 * self.cache.capacity))
+        ids = torch.tensor([new_tokens[-1:] + list(tree.tokens)], dtype=torch.long)
+        pos = verify_positions(start, 1, tree)[None]
+        slots = torch.arange(start, start + n)[None]
+        mask = attention_mask(start, 1, tree)[None, None]
+        with _installed(self.packed):
+            h = self.model.hidden(ids, pos, self.cache, slots=slots, mask=mask)
+            logits = self.model.lm_head(h[0]).float()
+        self.cached_len = self.cache.lengths[0] = start + n
+        return full_vocab_logits(logits, self.model.draft_vocab_ids, self.vocab_size)
+
+    def commit_tree(self, base: int, path: Sequence[int]) -> None:
+        self.cache.compact(0, base, [base + i for i in path])
+        self.cached_len = self.cache.lengths[0] = base + len(path)
+
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.cached_len:
             raise ValueError(f"cannot roll back to {n} tokens: only {self.cached_len} cached")
@@ -268,13 +328,15 @@ class SpecResult:
 
 
 def speculative_generate(target, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter | None = None,
-                         k: int = 16, stop_ids: Iterable[int] = ()) -> SpecResult:
+                         k: int = 16, stop_ids: Iterable[int] = (), tree_budget: int | None = None) -> SpecResult:
     """Greedy decoding of `target` (a Target, transformers LM or `Transformer`), verifying up to k drafted tokens per
     target forward pass. drafter=None is plain greedy decoding (one token per step), the baseline for speedup
     and losslessness. Stops after a token in `stop_ids` or after `max_new_tokens` tokens.
 
     Each step feeds the target the tokens not yet in its cache (the prompt, then the previous bonus token) plus
     the draft, then rolls its cache back to the accepted tokens; the bonus token enters with the next step.
+    With `tree_budget` N the drafter proposes a tree (`drafter.draft_tree(tokens, N, max_depth)`, at most N nodes,
+    at most k deep) that the target verifies in one tree-attention pass (`score_tree`, `commit_tree`).
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -291,6 +353,15 @@ def speculative_generate(target, prompt: Sequence[int], max_new_tokens: int, dra
         # No point drafting past the end: at most (remaining - 1) drafts + 1 bonus are still needed.
         n_draft = min(k, max_new_tokens - len(out.tokens) - 1) if drafter is not None else 0
         draft: list[int] = []
+        if tree_budget and n_draft > 0:
+            n = _tree_step(target, drafter, seq, tree_budget, n_draft, out)
+            draft = seq[len(seq) - n:]
+            for t in draft:
+                out.tokens.append(t)
+                if t in stop or len(out.tokens) >= max_new_tokens:
+                    out.seconds = time.perf_counter() - t0
+                    return out
+            continue
         if n_draft > 0:
             td = time.perf_counter()
             draft = list(drafter.draft(list(seq), n_draft))[:n_draft]
@@ -312,6 +383,28 @@ def speculative_generate(target, prompt: Sequence[int], max_new_tokens: int, dra
                 return out
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _tree_step(target: Target, drafter, seq: list[int], budget: int, max_depth: int, out: SpecResult) -> int:
+    """One tree step of `speculative_generate`: draft a tree, verify it in one pass, keep the accepted path. Appends
+    the accepted tokens and the bonus token to `seq` and the step's counts to `out`; returns how many it appended."""
+    td = time.perf_counter()
+    tree = drafter.draft_tree(list(seq), budget, max_depth)
+    out.draft_seconds += time.perf_counter() - td
+    check_token_ids(list(tree.tokens), target.vocab_size, "draft tree")
+    if len(tree) > budget or tree.depth > max_depth:
+        raise ValueError(f"the drafter's tree has {len(tree)} nodes and depth {tree.depth}; asked for at most "
+                         f"{budget} nodes and depth {max_depth}")
+    tv = time.perf_counter()
+    logits = target.score_tree(seq[target.cached_len:], tree)
+    path, bonus = accept_tree(tree, logits.argmax(-1).tolist())
+    target.commit_tree(len(seq), path)
+    out.verify_seconds += time.perf_counter() - tv
+    out.accepted_lengths.append(len(path))
+    out.draft_lengths.append(len(tree))
+    new = [tree.tokens[i] for i in path] + [bonus]
+    seq.extend(new)
+    return len(new)
 
 
 def greedy_decode(target, prompt: Sequence[int], max_new_tokens: int, stop_ids: Iterable[int] = ()) -> list[int]:

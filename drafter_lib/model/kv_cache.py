@@ -87,6 +87,16 @@ class KVCache:
             self.k[i][row, :, start:end] = src.k[i][src_row, :, start:end]
             self.v[i][row, :, start:end] = src.v[i][src_row, :, start:end]
 
+    def compact(self, row: int, start: int, slots: list[int]):
+        """Move the K/V at `slots` of `row` to positions start, start + 1, ... (a verified tree path: its nodes
+        sat at their feed slots, and after the move slot == position again)."""
+        if not slots or list(slots) == list(range(start, start + len(slots))):
+            return
+        idx = torch.tensor(slots, dtype=torch.long)
+        for lst in (self.k, self.v):
+            for t in lst:
+                t[row, :, start:start + len(slots)] = t[row, :, idx]  # advanced indexing gathers a copy first
+
     def row_view(self, row: int) -> KVCache:
         """A 1-row cache sharing storage with `row` of this one (prefill a row in place)."""
         view = KVCache.__new__(KVCache)

@@ -345,8 +345,12 @@ class Transformer(nn.Module):
         return self.lm_head(self.hidden(input_ids, positions, cache, last_only, row_blocks)).float()
 
     def hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
-               last_only: bool = False, row_blocks: int = 0) -> torch.Tensor:
-        """The final-norm hidden states [B,T,H] ([B,1,H] if last_only) that `forward` feeds to lm_head."""
+               last_only: bool = False, row_blocks: int = 0, slots: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm hidden states [B,T,H] ([B,1,H] if last_only) that `forward` feeds to lm_head.
+
+        Tree attention (a draft tree's nodes share positions): `slots` [B,T] are the cache slots the new K/V go to
+        and `mask` [B,1,T,slots.max() + 1] bool which slots each query reads; `positions` then only rotate."""
         if input_ids.dim() != 2 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and positions {tuple(positions.shape)} "
                              "must be equal [B,T]")
@@ -358,6 +362,17 @@ class Transformer(nn.Module):
         cos, sin = m.rotary_emb(positions)
         cos, sin = cos.to(act_dtype), sin.to(act_dtype)
         length = 0
+        if slots is not None:
+            if cache is None or mask is None or slots.shape != input_ids.shape:
+                raise ValueError("tree attention needs a cache, slots shaped like input_ids and a mask")
+            length = int(slots.max()) + 1
+            if length > cache.capacity:
+                raise ValueError(f"slot {length - 1} exceeds KV cache capacity {cache.capacity}")
+            if mask.shape != (B, 1, T, length):
+                raise ValueError(f"mask {tuple(mask.shape)} must be {(B, 1, T, length)}")
+            for layer in m.layers:
+                x = layer(x, cos, sin, slots, mask, cache, length)
+            return m.norm(x[:, -1:] if last_only else x)
         if cache is not None:
             length = int(positions.max()) + 1
             if length > cache.capacity:

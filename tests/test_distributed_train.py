@@ -39,10 +39,12 @@ def _files(out: Path) -> set[str]:
 def test_keys_are_checked():
     ok = TrainConfig(train_path="t.jsonl", num_processes=4, distributed="ddp")
     ok.validate()
+    for distributed, mixed_precision in [("fsdp", "bf16"), ("fsdp", "no"), ("ddp", "fp16")]:
+        dataclasses.replace(ok, distributed=distributed, mixed_precision=mixed_precision).validate()
     for kw, msg in [({"num_processes": 0}, "num_processes must be >= 1"),
                     ({"num_processes": 2}, "distributed 'none' runs one process"),
                     ({"distributed": "zero3"}, "distributed must be one of"),
-                    ({"distributed": "fsdp", "num_processes": 2}, "'fsdp' is not supported"),
+                    ({"distributed": "fsdp", "num_processes": 2, "mixed_precision": "fp16"}, "'fsdp' goes with"),
                     ({"mixed_precision": "bf17"}, "mixed_precision must be")]:
         with pytest.raises(ValueError, match=msg):
             dataclasses.replace(ok, **{"num_processes": 1, "distributed": "none", **kw}).validate()
@@ -58,8 +60,8 @@ def test_launch_command(workdir, tmp_path):
     assert cmd[cmd.index("-m", 3):] == ["-m", "drafter_lib.train", "--config", str(tmp_path / "c.json")]
     one = launch.launch_command(cfg_for(workdir, tmp_path / "o"), "c.json")
     assert "--multi_gpu" not in one and dict(zip(one, one[1:]))["--mixed_precision"] == "no"
-    with pytest.raises(ValueError, match="fsdp"):
-        launch.launch_command(dataclasses.replace(cfg, distributed="fsdp"), "c.json")
+    # FSDP: the same launch (the trainer shards the model itself; no accelerate FSDP flags)
+    assert launch.launch_command(dataclasses.replace(cfg, distributed="fsdp"), tmp_path / "c.json", python="py") == cmd
 
 
 def test_train_runs_in_process_or_launches(workdir, tmp_path, monkeypatch):
@@ -72,13 +74,14 @@ def test_train_runs_in_process_or_launches(workdir, tmp_path, monkeypatch):
     assert calls == [("in process", one), ("launched", two)]
 
 
-def test_study_train_stage_launches_the_same_config(tmp_path, monkeypatch):
+@pytest.mark.parametrize("distributed", ["ddp", "fsdp"])
+def test_study_train_stage_launches_the_same_config(tmp_path, monkeypatch, distributed):
     """stages.train_drafter with train.num_processes > 1 hands `accelerate launch` exactly the TrainConfig it
     would run in process."""
     from drafter_lib.study import config as C
     from drafter_lib.study import stages
 
-    cfg = C.build_config("smoke", {"train.num_processes": 2, "train.distributed": "ddp"}, check_models=False)
+    cfg = C.build_config("smoke", {"train.num_processes": 2, "train.distributed": distributed}, check_models=False)
     run = RunLayout.of(tmp_path / "run")
     got = []
 
@@ -89,7 +92,7 @@ def test_study_train_stage_launches_the_same_config(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "launch_training", fake_launch)
     res = stages.train_drafter(cfg, run)
     assert res["out_dir"] == run.rel(run.train_dir)
-    assert got == [stages.train_config(cfg, run)] and got[0].num_processes == 2 and got[0].distributed == "ddp"
+    assert got == [stages.train_config(cfg, run)] and got[0].num_processes == 2 and got[0].distributed == distributed
 
 
 def test_trainer_refuses_a_process_count_it_was_not_launched_with(workdir, tmp_path):

@@ -50,10 +50,13 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(acc, out_dir: Path, step: int, model: nn.Module, opt, sched, state: dict, keep: int) -> Path:
+def save_checkpoint(acc, out_dir: Path, step: int, model_state: dict, optimizer_state: dict, sched, state: dict,
+                    keep: int) -> Path:
     """Write checkpoint `step` (every process its RNG state, the main process the rest), keep the newest `keep`.
 
-    `acc` is the accelerate Accelerator (barriers, process index); `state` is the JSON part (step, phase, ...)."""
+    `acc` is the accelerate Accelerator (barriers, process index); `model_state` / `optimizer_state`: the whole
+    model's and optimizer's state dicts as one process's `state_dict()` gives them (read on the main process only:
+    a sharded run gathers them there); `state` is the JSON part (step, phase, ...)."""
     d = Path(out_dir) / CKPT_DIR
     final = d / f"step_{step:07d}"
     tmp = d / f"step_{step:07d}.tmp"
@@ -64,8 +67,8 @@ def save_checkpoint(acc, out_dir: Path, step: int, model: nn.Module, opt, sched,
     torch.save(rng_state(), tmp / f"rng_{acc.process_index}.pt")
     acc.wait_for_everyone()
     if acc.is_main_process:
-        torch.save(model.state_dict(), tmp / "model.pt")
-        torch.save(opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(model_state, tmp / "model.pt")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(sched.state_dict(), tmp / "scheduler.pt")
         (tmp / "state.json").write_text(json.dumps(state))  # plain dumps: NaN losses must round-trip on resume
         shutil.rmtree(final, ignore_errors=True)
@@ -87,15 +90,18 @@ def read_checkpoint(path: Path, process_index: int = 0) -> dict:
             "rng": torch.load(rng, weights_only=False) if rng.exists() else None}
 
 
-def save_hf(model: nn.Module, tokenizer, path: Path, extra: dict | None = None):
+def save_hf(model: nn.Module, tokenizer, path: Path, extra: dict | None = None, state_dict: dict | None = None):
     """save_pretrained with the latent fp weights (fake-quant parametrizations stripped), atomically.
-    `extra` lands in train_info.json next to the weights."""
-    from drafter_lib.quantization import unparametrized_state_dict
+    `extra` lands in train_info.json next to the weights. state_dict: the weights to write, by the model's names
+    (a sharded model's gathered whole state dict); None: the model's own."""
+    from drafter_lib.quantization import canonical_name, unparametrized_state_dict
 
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    sd = {k: v.detach().contiguous().clone() for k, v in unparametrized_state_dict(model).items()}
+    named = unparametrized_state_dict(model) if state_dict is None else {canonical_name(k): v for k, v in
+                                                                           state_dict.items()}
+    sd = {k: v.detach().contiguous().clone() for k, v in named.items()}
     model.save_pretrained(tmp, state_dict=sd)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)

@@ -8,8 +8,9 @@ the in-process path runs, from the study's train stage (`drafter_lib.study.stage
 
 `--multi_gpu` is accelerate's data-parallel launcher (torchrun): one process per GPU (cuda:0..N-1, NCCL), or on a
 machine without CUDA N CPU processes over gloo (how the tests run it; `accelerate launch --cpu` would start one
-process unless given an MPI hostfile). The trainer under it is the same loop as in process: DDP, each process its
-micro-batches of every global step, rank-0-only writes, and it resumes from the run's checkpoints as the in-process
+process unless given an MPI hostfile). The trainer under it is the same loop as in process: DDP or FSDP (per
+`distributed`; the trainer shards the model itself, so both take this command), each process its micro-batches of
+every global step, rank-0-only writes, and it resumes from the run's checkpoints as the in-process
 path does (a checkpoint records the global data position, so N may even change between runs). The config travels
 as a temporary JSON file (it holds this machine's paths; train_config.json in the run keeps the portable copy), and
 the result is read back from the main process's last stdout line plus history.json, so `train` returns the same
@@ -42,7 +43,7 @@ def launch_command(cfg: TrainConfig, config_path: str | os.PathLike, python: str
     cmd = [python or sys.executable, "-m", "accelerate.commands.launch",
            "--num_processes", str(cfg.num_processes), "--num_machines", "1",
            "--mixed_precision", cfg.mixed_precision, "--dynamo_backend", "no"]
-    if cfg.num_processes > 1:  # cfg.validate: distributed == "ddp"
+    if cfg.num_processes > 1:  # cfg.validate: distributed is "ddp" or "fsdp" (the trainer applies FSDP itself)
         cmd += ["--multi_gpu", "--main_process_port", "0"]  # port 0: accelerate picks a free one
     return cmd + ["-m", "drafter_lib.train", "--config", str(config_path)]
 

@@ -8,14 +8,16 @@ validated "loss" stays the continuation CE, so runs with different objectives co
 `qat_steps`): the same loss with `quantization.apply_fake_quant` on the model (the exact quantizer packing
 uses), from the best distill weights, at a lower LR.
 
-Runs single-process on CPU or multi-process via `accelerate launch` (DDP; `num_processes` > 1 with
-`distributed="ddp"`, which the study launches through `drafter_lib.train.launch`). Batches are a deterministic
+Runs single-process on CPU or multi-process via `accelerate launch` (`num_processes` > 1 with `distributed="ddp"`
+or `"fsdp"`, which the study launches through `drafter_lib.train.launch`). Batches are a deterministic
 function of (seed, data position) and each process takes its own micro-batches of every global step (the
 distributed sampler: process r takes micro-batches r, r + N, ...); the loss of one optimizer step is normalised by
 the target-token count of the whole global step and DDP syncs the gradients once per optimizer step (no_sync on
 the accumulation steps before it), so N processes compute the same update as one process with N times the
-micro-batches. Only the main process writes (configs, checkpoints but each process's RNG state, exports,
-history, plots); the others wait at barriers.
+micro-batches. FSDP (`fsdp.py`) shards parameters, gradients and optimizer state over the processes and computes
+the same update; checkpoints and exports hold the whole model, gathered to the main process, in the same files.
+Only the main process writes (configs, checkpoints but each process's RNG state, exports, history, plots); the
+others wait at barriers.
 
 Outputs under `out_dir`: train_config.json, checkpoints/step_XXXXXXX (model, optimizer, scheduler, step, RNG,
 data position; see `checkpoint.py`), history.json/.csv, losses.png, best_distill/ (fp, HF format) and best/ (final
@@ -45,7 +47,7 @@ from tqdm.auto import tqdm
 from drafter_lib.common.files import write_json
 from drafter_lib.common.layout import TrainLayout
 from drafter_lib.common.plots import plot_losses
-from drafter_lib.model.draft_vocab import head_targets, reduce_for_continuations
+from drafter_lib.model.draft_vocab import head_targets, reduce_for_continuations, reduce_hf_model
 from drafter_lib.train import examples as train_data
 from drafter_lib.train.checkpoint import (
     latest_checkpoint,
@@ -107,7 +109,7 @@ class TrainConfig:
     mixed_precision: str = "no"         # no | bf16 (GPU)
     # processes: 1 trains in the calling process; N > 1 runs `accelerate launch --num_processes N` (launch.py)
     num_processes: int = 1
-    distributed: str = "none"           # none (one process) | ddp (data parallel); fsdp: refused (see validate)
+    distributed: str = "none"           # none (one process) | ddp (data parallel) | fsdp (sharded, fsdp.py)
     # bookkeeping
     eval_every: int = 100
     max_eval_batches: int | None = None
@@ -155,16 +157,14 @@ class TrainConfig:
             raise ValueError(f"num_processes must be >= 1, got {self.num_processes}")
         if self.distributed not in DISTRIBUTED:
             raise ValueError(f"distributed must be one of {DISTRIBUTED}, got {self.distributed!r}")
-        if self.distributed == "fsdp":
-            raise ValueError("distributed 'fsdp' is not supported by this trainer: its checkpoints, resume, "
-                             "best-weight exports and QAT fake-quant parametrizations need every parameter whole on "
-                             "every process; use 'ddp' (each process holds the whole drafter: Qwen3-1.7B with AdamW "
-                             "in fp32 is ~28 GB, within one GPU)")
         if self.distributed == "none" and self.num_processes > 1:
             raise ValueError(f"distributed 'none' runs one process, but num_processes={self.num_processes}: set "
-                             "distributed='ddp' or num_processes=1")
+                             "distributed='ddp' (or 'fsdp') or num_processes=1")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
+        if self.distributed == "fsdp" and self.mixed_precision == "fp16":
+            raise ValueError("distributed 'fsdp' goes with mixed_precision 'no' or 'bf16': fp16's loss scaling would "
+                             "need a gradient scaler that agrees on overflow across the gradient shards")
         if self.steps < 0 or self.qat_steps < 0 or self.total_steps < 1:
             raise ValueError(f"need steps >= 0, qat_steps >= 0 and at least one step "
                              f"(got {self.steps}, {self.qat_steps})")
@@ -203,6 +203,12 @@ class Trainer:
             raise ValueError(f"num_processes={cfg.num_processes}, but this run has {self.acc.num_processes} "
                              f"process(es): start it with `accelerate launch --num_processes {cfg.num_processes} -m "
                              "drafter_lib.train ...` (drafter_lib.train.launch does)")
+        # FSDP shards over the launched processes (with one process it trains unsharded, as ddp does): self.fsdp is
+        # then the fsdp module, imported only here (FSDP2's fully_shard needs torch >= 2.6), else None
+        self.fsdp = self.mesh = None
+        if cfg.distributed == "fsdp" and self.acc.num_processes > 1:
+            from drafter_lib.train import fsdp
+            self.fsdp, self.mesh = fsdp, fsdp.device_mesh(self.acc.device)
         self.out = Path(cfg.out_dir)
         self.paths = TrainLayout(self.out)
         if self.acc.is_main_process:
@@ -247,47 +253,76 @@ class Trainer:
         return batch
 
     # -- phases
-    def _prepare(self, phase: str):
-        """(Re)build optimizer + scheduler for a phase and hand model/optimizer to accelerate (DDP wrap)."""
+    def _prepare(self, phase: str, ck: dict | None = None, weights: dict | None = None):
+        """(Re)build optimizer + scheduler for a phase, load checkpoint `ck`'s model, optimizer and scheduler state if
+        given, and hand model/optimizer to accelerate (DDP wrap) or shard them (FSDP). weights (FSDP): the whole
+        state dict the phase starts from, by plain names, on the main process ({} on the others)."""
         self.acc.free_memory()
         if phase == "qat":
             from drafter_lib.quantization import apply_fake_quant
             apply_fake_quant(self.model, quant_config(self.cfg))
         self.model.train()
-        opt, sched = make_optimizer(self.model, self.cfg, phase)
-        self.loss_mod, self.opt = self.acc.prepare(LossModule(self.model), opt)
-        self.sched = sched
-        self.phase = phase
+        if self.fsdp:
+            self.loss_mod = self.fsdp.shard(LossModule(self.model), self.mesh)
+            opt, sched = make_optimizer(self.model, self.cfg, phase)
+            if ck is not None:
+                self.fsdp.load_state_dicts(self.model, ck["model"], opt, ck["optimizer"])
+            elif weights is not None:  # the model's names: the fake-quant parametrizations rename its weights
+                from drafter_lib.quantization import canonical_name
+                named = {k: weights[canonical_name(k)] for k in self.model.state_dict()} if weights else {}
+                self.fsdp.broadcast_model_state_dict(self.model, named)
+        else:
+            if ck is not None:
+                self.model.load_state_dict(ck["model"])
+            self.model.to(self.acc.device)
+            opt, sched = make_optimizer(self.model, self.cfg, phase)
+            if ck is not None:
+                opt.load_state_dict(ck["optimizer"])
+            self.loss_mod, opt = self.acc.prepare(LossModule(self.model), opt)
+        if ck is not None:
+            sched.load_state_dict(ck["scheduler"])
+        self.opt, self.sched, self.phase = opt, sched, phase
 
     def _enter_qat(self):
-        if self.cfg.qat_init == "best" and self.paths.best_distill.exists():
+        best = self.cfg.qat_init == "best" and self.paths.best_distill.exists()
+        if not self.fsdp:
+            if best:
+                from drafter_lib.model.draft_vocab import load_hf_drafter
+                self.model.load_state_dict(load_hf_drafter(self.paths.best_distill).state_dict())
+            self._prepare("qat")
+            return
+        # FSDP: a sharded model cannot be unsharded, and the fake-quant parametrizations must be registered before
+        # sharding; so a fresh drafter takes them, is sharded, and gets the weights QAT starts from
+        if best:
             from drafter_lib.model.draft_vocab import load_hf_drafter
-            best = load_hf_drafter(self.paths.best_distill)
-            self.model.load_state_dict(best.state_dict())
-        self._prepare("qat")
+            weights = load_hf_drafter(self.paths.best_distill).state_dict() if self.acc.is_main_process else {}
+        else:
+            weights = self.fsdp.full_model_state_dict(self.model)
+        self.loss_mod = self.opt = self.sched = None  # the distill shards go before the fresh drafter comes
+        with torch.random.fork_rng(devices=[]):  # building it draws random init: keep the one-process RNG stream
+            self.model, _ = build_base_model(self.cfg)
+        if self.head_ids is not None:
+            reduce_hf_model(self.model, self.head_ids)
+        self._prepare("qat", weights=weights)
 
     # -- checkpoints
+    def _whole_state_dicts(self) -> tuple[dict, dict]:
+        """(model, optimizer) state dicts of the whole model (FSDP: gathered, on the main process; collective)."""
+        if self.fsdp:
+            return self.fsdp.full_state_dicts(self.model, self.opt)
+        return self.model.state_dict(), self.opt.state_dict()
+
     def save_checkpoint(self):
         state = {"step": self.step, "data_pos": self.data_pos, "phase": self.phase, "best": self.best,
                  "history": self.history, "num_processes": self.acc.num_processes}
-        save_checkpoint(self.acc, self.out, self.step, self.model, self.opt, self.sched, state,
+        model_state, optimizer_state = self._whole_state_dicts()
+        save_checkpoint(self.acc, self.out, self.step, model_state, optimizer_state, self.sched, state,
                         self.cfg.keep_checkpoints)
 
     def load_checkpoint(self, path: Path):
         ck = read_checkpoint(path, self.acc.process_index)
         state = ck["state"]
-        if state["phase"] == "qat":
-            from drafter_lib.quantization import apply_fake_quant
-            self.acc.free_memory()
-            apply_fake_quant(self.model, quant_config(self.cfg))
-        self.model.load_state_dict(ck["model"])
-        self.model.to(self.acc.device)
-        opt, sched = make_optimizer(self.model, self.cfg, state["phase"])
-        opt.load_state_dict(ck["optimizer"])
-        sched.load_state_dict(ck["scheduler"])
-        self.acc.free_memory()
-        self.loss_mod, self.opt = self.acc.prepare(LossModule(self.model), opt)
-        self.sched, self.phase = sched, state["phase"]
+        self._prepare(state["phase"], ck)
         self.step, self.data_pos, self.best = state["step"], state["data_pos"], state["best"]
         self.history = state["history"]
         if ck["rng"] is not None:
@@ -312,17 +347,19 @@ class Trainer:
         for a, batch in enumerate(batches):
             batch = self._on_device(batch)
             tl = teacher_target_logits(self.teacher, batch) if self.teacher is not None else None
-            sync = a == len(batches) - 1
+            # DDP all-reduces once per optimizer step; FSDP reduce-scatters every micro-batch's gradients into the
+            # shards (no whole gradients are kept between micro-batches: the memory FSDP is for)
+            sync = a == len(batches) - 1 or self.fsdp is not None
             ctx = self.acc.no_sync(self.loss_mod) if not sync else contextlib.nullcontext()
             with ctx, self.acc.autocast():
                 loss, ce = self.loss_mod(**batch, teacher_logits=tl, kl_weight=cfg.kl_weight,
                                          temperature=cfg.kl_temperature, loss=cfg.loss,
                                          loss_on_prompt=cfg.loss_on_prompt, prompt_weight=cfg.prompt_loss_weight)
-                # DDP averages grads over W processes; scaling by W / n_loss makes it a mean over all positions
+                # DDP and FSDP average grads over W processes; scaling by W / n_loss makes it a mean over all positions
                 self.acc.backward(loss * (W / n_loss))
             ce_sum += ce
             obj_sum += loss.detach()
-        gnorm = self.acc.clip_grad_norm_(self.loss_mod.parameters(), self.cfg.grad_clip) if self.cfg.grad_clip else None
+        gnorm = self._clip_grad_norm() if self.cfg.grad_clip else None
         lr = self.sched.get_last_lr()[0]
         self.opt.step()
         self.sched.step()
@@ -335,6 +372,10 @@ class Trainer:
             rec["objective"] = self.acc.reduce(obj_sum, reduction="sum").item() / n_loss
         return rec
 
+    def _clip_grad_norm(self) -> torch.Tensor:
+        clip = self.fsdp.clip_grad_norm_ if self.fsdp else self.acc.clip_grad_norm_
+        return clip(self.loss_mod.parameters(), self.cfg.grad_clip)
+
     @torch.no_grad()
     def evaluate(self) -> float:
         if not self.val_ex:
@@ -343,13 +384,19 @@ class Trainer:
         order = sorted(range(len(self.val_ex)), key=lambda i: len(self.val_ex[i].ids))
         bs = self.cfg.batch_size
         batches = [order[i:i + bs] for i in range(0, len(order), bs)][:self.cfg.max_eval_batches]
+        W = self.acc.num_processes
+        mine = [(b, True) for b in batches[self.acc.process_index::W]]
+        if self.fsdp and batches:  # FSDP gathers weights in each forward: all run as many (repeats uncounted)
+            mine += [(batches[0], False)] * (-(-len(batches) // W) - len(mine))
+        lm = self.loss_mod if self.fsdp else self.acc.unwrap_model(self.loss_mod)
         tot = torch.zeros(2, dtype=torch.float64, device=self.acc.device)
-        for b in batches[self.acc.process_index::self.acc.num_processes]:
+        for b, counted in mine:
             batch = self._on_device(collate([self.val_ex[i] for i in b]))
             with self.acc.autocast():
-                _, ce = self.acc.unwrap_model(self.loss_mod)(**batch)
-            tot[0] += ce.double()
-            tot[1] += (batch["targets"] != IGNORE).sum()
+                _, ce = lm(**batch)
+            if counted:
+                tot[0] += ce.double()
+                tot[1] += (batch["targets"] != IGNORE).sum()
         tot = self.acc.reduce(tot, reduction="sum")
         self.model.train()
         return (tot[0] / tot[1]).item()
@@ -359,9 +406,11 @@ class Trainer:
         self.history.append({"step": self.step, "phase": self.phase, "kind": "val", "loss": val})
         if not math.isnan(val) and val < self.best[self.phase]:
             self.best[self.phase] = val
+            whole = self.fsdp.full_model_state_dict(self.model) if self.fsdp else None  # collective
             if self.acc.is_main_process:
                 dest = self.paths.best_distill if self.phase == "distill" else self.paths.best
-                save_hf(self.model, self.tok, dest, {"step": self.step, "phase": self.phase, "val_loss": val})
+                save_hf(self.model, self.tok, dest, {"step": self.step, "phase": self.phase, "val_loss": val},
+                        state_dict=whole)
                 if self.phase == "qat":
                     write_json(self.paths.qat_quant_config, quant_config(self.cfg).to_dict())
             self.acc.wait_for_everyone()
@@ -374,7 +423,6 @@ class Trainer:
             self.load_checkpoint(ck)
             acc.print(f"resumed from {ck} (step {self.step}, phase {self.phase})")
         else:
-            self.model.to(acc.device)
             self._prepare(self.phase)
             self._eval_and_keep_best()  # step-0 validation loss of the untrained base
         stop = min(cfg.total_steps, cfg.stop_at_step or cfg.total_steps)

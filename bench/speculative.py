@@ -4,6 +4,7 @@
                                 [--k 1 2 4 8 16] [--min-confidence 0.3 ...] [--dynamic-k 16 ...]
                                 [--targets hf hf-torch-linears hf-stock native llama_cpp] [--gguf FILE]
                                 [--prompt-lookup 2 4 10] [--no-user-loop]
+                                [--tree-budgets 8 16 32 64] [--tree-branch 4] [--tree-depth 16]
                                 [--drafters engine http] [--engine-dtypes auto auto-approx] [--no-assisted]
                                 [--server-envs "" "OMP_NUM_THREADS=1" ...]
                                 [--json OUT]
@@ -73,6 +74,12 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--server-envs", nargs="+", default=[""], metavar="ENV",
                     help="HTTP servers compared side by side, each started with these space-separated KEY=VALUE "
                          "settings over this process's environment (\"\": as is), e.g. OMP_NUM_THREADS=1")
+    ap.add_argument("--tree-budgets", type=int, nargs="*", default=[],
+                    help="draft trees of at most N nodes (one row per budget and drafter), verified by tree "
+                         "attention in one target pass (hf and native targets)")
+    ap.add_argument("--tree-branch", type=int, default=None, help="tree drafting: candidates per expanded node "
+                    "(default: the engine's)")
+    ap.add_argument("--tree-depth", type=int, default=16, help="tree drafting: the deepest node")
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
     ap.add_argument("--json", default=None, help="also write the rows here")
     return ap
@@ -151,19 +158,32 @@ class ConfidenceDrafter:
         return self.engine.draft(tokens, k, min_confidence=self.threshold)
 
 
+class TreeDrafter:
+    """The engine (or the HTTP client) drafting trees of at most `budget` nodes, `branch` candidates a node."""
+
+    def __init__(self, engine, branch: int | None):
+        self.engine, self.branch = engine, branch
+
+    def draft_tree(self, tokens, budget, max_depth):
+        kw = {} if self.branch is None else {"branch": self.branch}
+        return self.engine.draft_tree(tokens, budget, max_depth=max_depth, **kw)
+
+
 def draft_rows(name: str, drafter, args, recommended: float | None) -> dict:
-    """Row name -> (drafter, k): fixed k (threshold 0), each threshold with each cap, and the threshold the pack
-    recommends at k <= 16, sent with every request, marked (recommended)."""
+    """Row name -> (drafter, k[, tree budget]): fixed k (threshold 0), each threshold with each cap, the threshold
+    the pack recommends at k <= 16, sent with every request, marked (recommended), and each tree budget."""
     rows = {f"{name} k={k}": (ConfidenceDrafter(drafter, 0.0), k) for k in args.k}
     rows.update({f"{name} dyn>={c} k<={cap}": (ConfidenceDrafter(drafter, c), cap)
                  for cap in args.dynamic_k for c in args.min_confidence if (c, cap) != (recommended, 16)})
     if recommended:
         rows[f"{name} dyn>={recommended} k<=16 (recommended)"] = (ConfidenceDrafter(drafter, recommended), 16)
+    rows.update({f"{name} tree {n}": (TreeDrafter(drafter, args.tree_branch), args.tree_depth, n)
+                 for n in args.tree_budgets})
     return rows
 
 
 def run_interleaved(target, prompts, max_new, stop, configs: dict) -> dict:
-    """Every config (name -> (drafter or None for plain greedy, k)) on every prompt, prompt by prompt and in a
+    """Every config (name -> (drafter or None for plain greedy, k[, tree budget])) on every prompt, prompt by prompt and in a
     rotating order, so that a drift of the machine's speed during the run weighs on every row alike: the ratios
     are side by side per prompt, not one row's minutes against another's."""
     rows = {name: {"tokens": 0, "seconds": 0.0, "draft_s": 0.0, "verify_s": 0.0, "steps": 0, "drafted": 0,
@@ -171,12 +191,13 @@ def run_interleaved(target, prompts, max_new, stop, configs: dict) -> dict:
     names = list(configs)
     for i, p in enumerate(tqdm(prompts, desc="prompts", leave=False)):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            drafter, k = configs[name]
+            drafter, k, *tree = configs[name]
             # each row drafts this prompt from a cold cache, not from the prefixes an earlier row left behind
             clear = getattr(getattr(drafter, "engine", drafter), "clear_cache", None)
             if clear is not None:
                 clear()
-            r = speculative_generate(target, p, max_new, drafter, k=k, stop_ids=stop)
+            r = speculative_generate(target, p, max_new, drafter, k=k, stop_ids=stop,
+                                     tree_budget=tree[0] if tree else None)
             row = rows[name]
             row["tokens"] += len(r.tokens)
             row["seconds"] += r.seconds
@@ -347,8 +368,10 @@ def main(argv=None) -> list[dict]:
             costs = costs.get("", costs) or None  # one pack: its costs, as before; several: keyed by pack
             llama = isinstance(target, Recorded)
             extra = prompt_lookup_rows(args.prompt_lookup) if llama else {}
+            # trees need a target with tree attention (score_tree); llama.cpp's loop verifies chains only
+            mine_drafters = {n: c for n, c in drafters.items() if len(c) == 2 or hasattr(target, "score_tree")}
             res = run_interleaved(target, prompts, args.max_new_tokens, stop,
-                                  {"plain greedy": (None, 0), **drafters, **extra})
+                                  {"plain greedy": (None, 0), **mine_drafters, **extra})
             if llama:  # lossless by the passes; outputs equal to plain counted apart
                 check_rows(res["plain greedy"]["passes"], res, {name: r["passes"] for name, r in res.items()})
             plain = res.pop("plain greedy")

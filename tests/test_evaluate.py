@@ -88,7 +88,7 @@ def test_cli_on_tiny_target_and_packed_drafter(tmp_path, tiny_target, capsys):
     out = tmp_path / "m.json"
     ev.main(["--model", str(tmp_path / "model"), "--prompts", str(q), "--target", str(target_dir), "--limit", "3",
              "--max-new-tokens", "12", "--k", "4", "--e2e-prompts", "2", "--out", str(out),
-             "--plots", str(tmp_path / "plots")])
+             "--plots", str(tmp_path / "plots"), "--tree-budgets"])  # no tree rows (test_tree_eval.py has them)
     m = json.loads(out.read_text())
     assert m["num_prompts"] == 3 and set(m["per_category"]) == {"a", "b", "c"}  # spread, not the first three
     assert m["prompts_per_category"] == {"a": 1, "b": 1, "c": 1} and m["prompts"] == [str(q)]
@@ -96,7 +96,7 @@ def test_cli_on_tiny_target_and_packed_drafter(tmp_path, tiny_target, capsys):
     # the end-to-end run uses the pack as shipped (its threshold); the acceptance table drafts a fixed k
     assert m["end_to_end"]["drafter"] == "pack as shipped" and m["end_to_end"]["min_confidence"] == 0.25
     assert len(m["per_position_acceptance"]) == 4 and 1.0 <= m["mean_acceptance_length"] <= 5.0
-    assert list(m["baselines"]) == ["packed", "n-gram lookup", "packed + copy prior"]
+    assert list(m["baselines"]) == ["packed", "n-gram lookup", "packed + copy prior"] and m["trees"] == {}
     assert (tmp_path / "plots" / "position_acceptance.png").stat().st_size > 5000
     printed = capsys.readouterr().out
     assert "packed + copy prior" in printed and "lossless: True" in printed

@@ -80,7 +80,11 @@ def test_tree_decoding_equals_plain_greedy(targets, which):
             def draft_tree(self, toks, budget, max_depth):
                 n = len(toks)
                 good = full[n:n + rng.randrange(0, max_depth + 1)]
-                tokens, parents = list(good), list(range(-1, len(good) - 1))
+                # a decoy first, so the accepted path sits at later slots and the cache must be compacted
+                decoy = (full[n] + 1) % VOCAB if n < len(full) else 0
+                tokens, parents = [decoy], [-1]
+                tokens += good
+                parents += [-1 if j == 0 else j for j in range(len(good))]
                 for _ in range(budget - len(tokens)):
                     p = rng.randrange(-1, len(tokens))
                     depth = 1 if p < 0 else DraftTree(tuple(tokens), tuple(parents)).depths[p] + 1

@@ -176,3 +176,50 @@ def val_curves(histories: Mapping[str, Sequence[Mapping]], path, title: str = "v
         if va:
             ax.plot(*zip(*va), "o-", label=label, ms=3)
     return _finish_steps(fig, ax, path, title, "validation CE on continuation tokens (nats)")
+
+
+def tree_budget_acceptance(curves: Mapping[str, Sequence[Mapping]], path,
+                           title: str = "Draft trees: tokens per target step against the budget"):
+    """Left: mean acceptance length (tokens per target step, with its 95 % interval) against the draft's nodes per
+    step, one line per drafter through its trees (circles); its chain of k tokens is the open square at k. Right: the
+    acceptance rate per depth of each point. `curves`: drafter -> points with "label", "budget", "mal", "ci",
+    "per_depth" (`evaluate.tree_curves`)."""
+    if not curves:
+        raise ValueError("no tree curves to plot")
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for n, (name, pts) in enumerate(curves.items()):
+        color = f"C{n}"
+        trees = [p for p in pts if not p["label"].startswith("chain")]
+        ax.plot([p["budget"] for p in trees], [p["mal"] for p in trees], color=color, alpha=0.6, label=name)
+        for p in pts:
+            lo, hi = (float("nan") if v is None else v for v in p["ci"])
+            chain = p["label"].startswith("chain")
+            # a chain sharing its budget with a tree sits a little to the left, so both intervals show
+            x = p["budget"] * (0.95 if chain and any(t["budget"] == p["budget"] for t in trees) else 1.0)
+            ax.errorbar([x], [p["mal"]], yerr=[[max(p["mal"] - lo, 0)], [max(hi - p["mal"], 0)]],
+                        fmt="s" if chain else "o", color=color, ms=6, capsize=3, mfc="white" if chain else color)
+            ax.annotate(p["label"], (x, p["mal"]), textcoords="offset points",
+                        xytext=(6, -10) if chain else (5, 4), fontsize=7)
+        styles = ["--", "-", "-.", ":"]
+        for i, p in enumerate(pts):
+            rates = [float("nan") if x is None else x for x in p["per_depth"]]
+            ax2.plot(range(1, len(rates) + 1), rates, color=color, marker="s" if p["label"].startswith("chain")
+                     else "o", ms=3, ls=styles[i % len(styles)], label=f"{name}: {p['label']}")
+    budgets = sorted({p["budget"] for pts in curves.values() for p in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(budgets)
+    ax.set_xticklabels([str(b) for b in budgets])
+    ax.set_xlim(budgets[0] * 0.8, budgets[-1] * 1.25)
+    ax.set_xlabel("draft nodes per target step (chain: k tokens)")
+    ax.set_ylabel("tokens per target step (MAL)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax2.xaxis.get_major_locator().set_params(integer=True)
+    ax2.set_xlabel("depth (draft position)")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_ylim(0, 1.02)
+    ax2.set_title("Acceptance rate per depth", fontsize=10)
+    ax2.grid(alpha=0.3)
+    ax2.legend(fontsize=7)
+    return save_figure(fig, path)

@@ -176,6 +176,7 @@ class HFTarget:
             logits = self.model(input_ids=ids, use_cache=True, **kw).logits[0].float()
         return full_vocab_logits(logits, getattr(self.model, "draft_vocab_ids", None), self.vocab_size)
 
+    @torch.inference_mode()
     def commit_tree(self, base: int, path: Sequence[int]) -> None:
         """Keep the first `base` cached tokens and, after them, the K/V of the tree nodes on `path` (a tree scored
         from slot `base`), dropping the rest."""
@@ -279,6 +280,7 @@ class NativeTarget:
         self.cached_len = self.cache.lengths[0] = start + n
         return full_vocab_logits(logits, self.model.draft_vocab_ids, self.vocab_size)
 
+    @torch.inference_mode()
     def commit_tree(self, base: int, path: Sequence[int]) -> None:
         self.cache.compact(0, base, [base + i for i in path])
         self.cached_len = self.cache.lengths[0] = base + len(path)

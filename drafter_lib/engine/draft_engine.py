@@ -4,6 +4,7 @@
     draft = engine.draft(tokens, k=16)         # a Draft: the list of k token ids, plus .cached_prefix_len
     drafts = engine.draft_batch([t1, t2], 16)  # one Draft per request; decode steps batched across them
     engine.draft(tokens, 16, min_confidence=0.3, return_probs=True)  # dynamic length; Draft.probs
+    tree = engine.draft_tree(tokens, budget=16, max_depth=16)  # a DraftTree: branches where the drafter is unsure
 
 - Weights (`dtype`): "auto" (default) holds each weight shape in the path measured fastest here (`kernels.py`;
   "auto-approx" adds bf16 and int8 linears); "float16", "int8", "float32" force one (`weight_formats.hold_weights`).
@@ -22,6 +23,8 @@
   token is always the same argmax routine's, the probability is only added, so a stopped draft is a prefix of the
   unstopped one; without a threshold and without return_probs no softmax is computed.
 - Prefix KV cache (prefix_cache.py): a row is stored under request + the draft tokens whose K/V were computed.
+- Draft trees (tree_draft.py): grown level by level, each level one tree-attention pass over the cached context;
+  the first chain is the greedy draft as far as the tree goes; only the context and that chain's K/V are cached.
 - Batching: the uncached tails of a batch's requests (up to _BATCH_FEED tokens: a speculative loop's next step) run
   as one right-padded pass (a pad sits after its row's real tokens, so nothing real attends to it); a longer tail (a
   new prompt) runs alone. Decode steps are batched.
@@ -42,11 +45,13 @@ import torch
 
 from drafter_lib.common.checks import check_bool, check_token_ids, per_request
 from drafter_lib.decoding.speculative import accepted_length
+from drafter_lib.decoding.tree import DraftTree
 from drafter_lib.engine.int8_head_logits import hold_head
 from drafter_lib.engine.int8w_storage import hold_int8w_rows
 from drafter_lib.engine.kernels import hold_measured, hold_step
 from drafter_lib.engine.prefix_cache import PrefixCache
-from drafter_lib.engine.weight_formats import Int8Head, hold_weights, read_int8_rows, weight_bytes
+from drafter_lib.engine.tree_draft import DEFAULT_BRANCH, DEFAULT_MAX_DEPTH, TreeDraft, check_tree_request, grow
+from drafter_lib.engine.weight_formats import head_argmax, hold_weights, read_int8_rows, weight_bytes
 from drafter_lib.model.transformer import KVCache, ModelConfig, Transformer
 from drafter_lib.packed.config_keys import (
     ENGINE_DTYPE_KEY,
@@ -205,6 +210,41 @@ class DraftEngine:
                     out[i] = Draft(r.draft[:k], r.cached, None if r.probs is None else r.probs[:k])
         return out
 
+    def draft_tree(self, tokens: Sequence[int], budget: int = 16, max_depth: int = DEFAULT_MAX_DEPTH,
+                   branch: int = DEFAULT_BRANCH) -> DraftTree:
+        """A draft tree of at most `budget` nodes and `max_depth` levels continuing `tokens`: the drafter branches
+        into its top `branch` candidates where it is unsure and keeps the nodes of highest path probability
+        (`probs`); its first chain is the greedy `draft` as far as it goes (tree_draft.py). A drafter for
+        `speculative_generate(..., tree_budget=N)`."""
+        return self.draft_tree_result(tokens, budget, max_depth, branch).tree
+
+    @torch.inference_mode()
+    def draft_tree_result(self, tokens: Sequence[int], budget: int = 16, max_depth: int = DEFAULT_MAX_DEPTH,
+                          branch: int = DEFAULT_BRANCH) -> TreeDraft:
+        """draft_tree, plus the tree's first chain (with each token's probability) and the prefix-cache use."""
+        budget, max_depth, branch = check_tree_request(budget, max_depth, branch)
+        toks = check_token_ids(tokens, self.vocab_size, what="tokens")
+        L, depth = len(toks), min(budget, max_depth)
+        if L + depth > self.max_context:
+            raise ValueError(f"context of {L} tokens + a tree {depth} deep exceeds the model's maximum context "
+                             f"{self.max_context}")
+        with self._lock:
+            self.stats["requests"] += 1
+            pol = self.copy_policy
+            copy = pol.propose(toks, depth) if pol.enabled and pol.mode == "prefix" else []
+            # the copied tokens that may get children run with the context's tail (as a chain draft feeds them)
+            fed = min(len(copy), max_depth - 1) if len(copy) < budget else 0
+            cache, start = self._cache.acquire(toks, L + budget)
+            h = self._hidden_after(cache, start, toks[start:] + copy[:fed], 1 + fed)
+            out, slots = grow(self.model, cache, L, h[0], copy, h[1:] if fed else None, budget, max_depth, branch)
+            # only the first chain's computed nodes join the context in the cache, moved to slot == position
+            cache.compact(0, L, slots)
+            self._cache.store(toks + out.chain[:len(slots)], L, cache)
+            out.cached_prefix_len = start
+            out.computed_tokens += L - start + fed
+            self.stats["computed_tokens"] += out.computed_tokens
+        return out
+
     def info(self) -> dict:
         m = self._meta
         return dict(config=self.config.to_dict(), hf_config=m.get("hf_config"), quantization=m.get("quantization"),
@@ -321,6 +361,21 @@ class DraftEngine:
         self.stats["computed_tokens"] += len(new)
         return self._pick(h[0], row.probs is not None)  # callers needing all tokens feed <= _CHUNK tokens
 
+    def _hidden_after(self, cache: KVCache, start: int, new: list[int], keep: int) -> torch.Tensor:
+        """Feed `new` at positions start, start + 1, ... (chunked as `_forward` does); the final hidden states
+        [keep, H] of its last `keep` tokens."""
+        n = len(new)
+        ids = torch.tensor(new, dtype=torch.long)[None]
+        out = []
+        for s in range(0, n, _CHUNK):
+            e = min(s + _CHUNK, n)
+            lo = max(s, n - keep)  # the first token of this chunk whose state is returned
+            last_only = lo >= e - 1
+            h = self.model.hidden(ids[:, s:e], torch.arange(start + s, start + e)[None], cache, last_only=last_only)
+            if lo < e:
+                out.append(h[0] if last_only else h[0, lo - s:])
+        return torch.cat(out)
+
     def _decode_single(self, row: _Row, k: int):
         pol = self.copy_policy
         accel = pol.enabled and pol.mode == "accelerate"
@@ -364,23 +419,15 @@ class DraftEngine:
         """Greedy token per row of final hidden states h [M, H], as full-vocabulary ids (a reduced draft-vocabulary
         head's row indices map through its id table), and for the rows in `need` the drafter's probability of it
         (fp32 softmax over the head's logits; None elsewhere). The token comes from the same argmax either way."""
-        head = self.model.lm_head
         need = [need] * h.shape[0] if isinstance(need, bool) else need
         sel = [i for i, w in enumerate(need) if w]
-        if isinstance(head, Int8Head):
-            # the exact argmax, its candidates pruned by approximate logits that also give a probability when
-            # asked (int8: 3 parts give fp32-accurate probabilities, 2 suffice for the argmax; or fp16, head_paths)
-            x = h.float()
-            approx, bound = head.approx_logits(x, parts=3 if sel else 2)
-            idx = head.exact_argmax(x, approx, bound)
-            logits = approx[sel].float() if sel else None
-        else:
-            logits = head(h)
-            idx = logits.argmax(-1)
-            logits = logits[sel] if sel and len(sel) < len(need) else logits
+        # an Int8Head: the exact argmax, its candidates pruned by approximate logits that also give a probability
+        # when asked (int8: 3 parts give fp32-accurate probabilities, 2 suffice for the argmax; or fp16, head_paths)
+        idx, logits = head_argmax(self.model.lm_head, h, bool(sel))
         toks = self.model.full_ids(idx).tolist()
         if not sel:
             return toks, None
+        logits = logits[sel] if len(sel) < len(need) else logits
         p = torch.softmax(logits.float(), -1).gather(-1, idx[sel, None])[:, 0].tolist()
         probs = [None] * len(need)
         for j, i in enumerate(sel):

@@ -26,7 +26,7 @@ from drafter_lib.engine import fp16_kernel
 from drafter_lib.model.transformer import Linear, linears
 
 __all__ = ["Int8DynLinear", "Int8WeightLinear", "Int8Embedding", "Int8Head", "int8_rows", "int8_exact",
-           "read_int8_rows", "hold_weights", "hold_table_rows", "hold_linear", "weight_bytes"]
+           "read_int8_rows", "head_argmax", "hold_weights", "hold_table_rows", "hold_linear", "weight_bytes"]
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
@@ -243,6 +243,20 @@ class Int8Head(nn.Module):
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().reshape(-1, x.shape[-1])
         return self.exact_argmax(x, *self.approx_logits(x, parts=2))
+
+
+def head_argmax(head: nn.Module, h: torch.Tensor, scores: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The greedy head row [M] of final hidden states h [M, H] under the engine's lm_head, and with `scores` the
+    logits [M, V] whose fp32 softmax gives the drafter's probabilities (None without). An Int8Head gives its exact
+    argmax and its approximate logits (three int8 parts: fp32-accurate; two when no scores are wanted, enough to
+    prune the argmax's candidates); any other head its logits and their argmax. The engine's chain drafts and its
+    draft trees both take their greedy tokens here."""
+    if isinstance(head, Int8Head):
+        x = h.float()
+        approx, bound = head.approx_logits(x, parts=3 if scores else 2)
+        return head.exact_argmax(x, approx, bound), approx if scores else None
+    logits = head(h)
+    return logits.argmax(-1), logits if scores else None
 
 
 def _int8_table_and_head(model, rows: dict):

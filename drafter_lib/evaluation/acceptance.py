@@ -12,6 +12,14 @@ With grow=True a step drafts 2 tokens first and drafts again with 4, 8, ... k on
 far was accepted. That gives the same accepted length as one k-token draft for any drafter whose j-token draft is
 the first j tokens of its k-token draft (greedy model drafting, the copy prior and n-gram lookup all are; the
 engine's drafts do not depend on cache state or batch), at a fraction of the drafting cost when acceptance is low.
+
+Draft trees (`simulate(..., tree_budget=N)`): each step drafts a tree of at most N nodes and depth k
+(`drafter.draft_tree(tokens, N, k)`, or `draft_tree_batch` for several contexts), the accepted length is
+`tree.tree_accepted_length` against ref[i:i+k] (the longest root path equal to the reference's first tokens: what
+`tree.accept_tree` accepts when the target verifies the tree) and i += accepted + 1, as for a chain. The statistics
+are the chain's, per draft position read as per depth, plus the tree's mean size and depth per step. A chain is a
+tree (`ChainTree` drafts one), so a chain drafter scores the same either way. Trees are drafted whole: a tree of a
+smaller budget need not be part of a larger one, so there is no grow mode.
 """
 from __future__ import annotations
 
@@ -23,6 +31,7 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from drafter_lib.decoding.speculative import accepted_length, mean_acceptance_length
+from drafter_lib.decoding.tree import DraftTree, tree_accepted_length
 
 
 @dataclass
@@ -90,6 +99,17 @@ class SimulationResult:
     seconds: float = 0.0
     drafted_tokens: int = 0  # tokens the drafter was asked for (the simulation's cost)
     per_prompt: list[list[int]] = field(default_factory=list)  # [steps, accepted drafted tokens] of each prompt
+    tree_budget: int | None = None  # trees: the node budget per step (None: chains)
+    tree_depths: int = 0  # trees: the drafted trees' depths, summed over steps (their nodes: drafted_tokens)
+
+    @property
+    def mean_tree_nodes(self) -> float:
+        """Trees: drafted nodes per target step (what one verification pass scores)."""
+        return self.drafted_tokens / self.overall.steps if self.overall.steps else float("nan")
+
+    @property
+    def mean_tree_depth(self) -> float:
+        return self.tree_depths / self.overall.steps if self.overall.steps else float("nan")
 
     def to_dict(self) -> dict:
         d = self.overall.to_dict()
@@ -97,6 +117,9 @@ class SimulationResult:
         d["seconds"] = self.seconds
         d["drafted_tokens"] = self.drafted_tokens
         d["per_prompt"] = [list(c) for c in self.per_prompt]  # in prompt order: bootstrap intervals, paired tests
+        if self.tree_budget is not None:
+            d.update(tree_budget=self.tree_budget, mean_tree_nodes=self.mean_tree_nodes,
+                     mean_tree_depth=self.mean_tree_depth)
         return d
 
 
@@ -108,6 +131,36 @@ def draft_many(drafter, contexts: list[list[int]], k: int) -> list[list[int]]:
     else:
         out = [drafter.draft(c, k) for c in contexts]
     return [list(d)[:k] for d in out]
+
+
+def draft_trees(drafter, contexts: list[list[int]], budget: int, max_depth: int) -> list[DraftTree]:
+    """Trees for several contexts (`draft_tree_batch` where the drafter has it, else one `draft_tree` each), each
+    checked against the budget and depth it was asked for, as `speculative_generate` checks them."""
+    if hasattr(drafter, "draft_tree_batch"):
+        out = list(drafter.draft_tree_batch(contexts, budget, max_depth))
+    else:
+        out = [drafter.draft_tree(c, budget, max_depth) for c in contexts]
+    if len(out) != len(contexts):
+        raise ValueError(f"the drafter returned {len(out)} trees for {len(contexts)} contexts")
+    for t in out:
+        if len(t) > budget or t.depth > max_depth:
+            raise ValueError(f"the drafter's tree has {len(t)} nodes and depth {t.depth}; asked for at most {budget} "
+                             f"nodes and depth {max_depth}")
+    return out
+
+
+class ChainTree:
+    """A chain drafter as a tree drafter: its draft of min(budget, max_depth) tokens as a chain (`DraftTree.chain`).
+    Batches through the chain drafter's `draft_batch` where it has one."""
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def draft_tree(self, tokens: list[int], budget: int, max_depth: int) -> DraftTree:
+        return self.draft_tree_batch([tokens], budget, max_depth)[0]
+
+    def draft_tree_batch(self, contexts: list[list[int]], budget: int, max_depth: int) -> list[DraftTree]:
+        return [DraftTree.chain(d) for d in draft_many(self.drafter, contexts, min(budget, max_depth))]
 
 
 def draft_sizes(k: int, grow: bool) -> list[int]:
@@ -123,26 +176,42 @@ def draft_sizes(k: int, grow: bool) -> list[int]:
 
 def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Sequence[int]], k: int = 16,
              categories: Sequence[str] | None = None, batch_size: int = 16, desc: str = "simulate",
-             grow: bool = False) -> SimulationResult:
+             grow: bool = False, tree_budget: int | None = None) -> SimulationResult:
     """Greedy-verification simulation of `drafter` against the target's greedy `references` (see module doc).
 
     Sequences advance in lockstep so engines with `draft_batch` draft for up to `batch_size` contexts at once.
     When a draft runs to the end of the reference the step still counts its bonus token (the target always adds one).
     grow: draft 2, 4, ... k tokens while all are accepted (exact for prefix-consistent drafters, see module doc).
+    tree_budget N: the drafter drafts trees of at most N nodes and depth k (`draft_tree` / `draft_tree_batch`).
     """
     if len(prompts) != len(references):
         raise ValueError(f"{len(prompts)} prompts but {len(references)} references")
     categories = list(categories) if categories is not None else ["all"] * len(prompts)
     if len(categories) != len(prompts):
         raise ValueError(f"{len(categories)} categories for {len(prompts)} prompts")
+    if tree_budget is not None and (isinstance(tree_budget, bool) or not isinstance(tree_budget, int)
+                                    or tree_budget < 1):
+        raise ValueError(f"tree_budget must be an int >= 1 (or None for chains), got {tree_budget!r}")
+    if tree_budget is not None and grow:
+        raise ValueError("grow applies to chains only: a tree of a smaller budget need not be part of a larger one")
     overall = AcceptanceStats(k)
     per_cat: dict[str, AcceptanceStats] = OrderedDict((c, AcceptanceStats(k)) for c in dict.fromkeys(categories))
     pos = [0] * len(prompts)
     per_prompt = [[0, 0] for _ in prompts]  # steps, accepted
     sizes = draft_sizes(k, grow)
-    drafted = 0
+    drafted = depths = 0
     t0 = time.perf_counter()
     bar = tqdm(total=sum(len(r) for r in references), desc=desc, unit="tok", leave=False)
+
+    def step(s: int, a: int, window: Sequence[int]) -> None:  # one target step of sequence s: a drafts accepted
+        overall.add(a, len(window))
+        per_cat[categories[s]].add(a, len(window))
+        per_prompt[s][0] += 1
+        per_prompt[s][1] += a
+        n = min(a + 1, len(references[s]) - pos[s])
+        pos[s] += n
+        bar.update(n)
+
     while True:
         active = [s for s in range(len(prompts)) if pos[s] < len(references[s])]
         if not active:
@@ -150,6 +219,14 @@ def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Seq
         for c0 in range(0, len(active), batch_size):
             chunk = active[c0:c0 + batch_size]
             contexts = {s: list(prompts[s]) + list(references[s][:pos[s]]) for s in chunk}
+            if tree_budget is not None:
+                trees = draft_trees(drafter, [contexts[s] for s in chunk], tree_budget, k)
+                for s, t in zip(chunk, trees):
+                    drafted += len(t)
+                    depths += t.depth
+                    window = references[s][pos[s]:pos[s] + k]
+                    step(s, tree_accepted_length(t, window), window)
+                continue
             for size in sizes:
                 drafts = draft_many(drafter, [contexts[s] for s in chunk], size)
                 drafted += size * len(chunk)
@@ -160,18 +237,13 @@ def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Seq
                     if a == size and size < len(window):  # all accepted and more could be: draft more
                         again.append(s)
                         continue
-                    overall.add(a, len(window))
-                    per_cat[categories[s]].add(a, len(window))
-                    per_prompt[s][0] += 1
-                    per_prompt[s][1] += a
-                    step = min(a + 1, len(references[s]) - pos[s])
-                    pos[s] += step
-                    bar.update(step)
+                    step(s, a, window)
                 chunk = again
                 if not chunk:
                     break
     bar.close()
-    return SimulationResult(overall, dict(per_cat), time.perf_counter() - t0, drafted, per_prompt)
+    return SimulationResult(overall, dict(per_cat), time.perf_counter() - t0, drafted, per_prompt,
+                            tree_budget=tree_budget, tree_depths=depths)
 
 
 def origin_of_groups(groups: Sequence[str], origins: Sequence[str | None]) -> dict[str, str]:

@@ -9,11 +9,16 @@ Two measurements, both following the greedy verification rule of `speculative`:
    acceptance rate of every draft position (`baselines_table`, `metrics`, `save_plots`), each MAL with a 95 %
    bootstrap interval over prompts and every drafter against the primary on the same prompts (`bootstrap`,
    `interval_table`).
+   With tree budgets, the same simulation of the engines' draft trees (`acceptance.simulate(..., tree_budget=N)`):
+   rows "packed + copy prior tree N", "packed tree N", ... (`drafters.tree_rows`) with every statistic of a chain
+   row (per draft position read as per depth) plus the trees' mean size, each against its chain row on the same
+   prompts (`tree_table`, `save_plots`: tokens per target step against the budget).
 2. End-to-end speculative decoding (`end_to_end`, one real target forward per step through
    `speculative.speculative_generate`): its output must equal the target's greedy output exactly (lossless), and
    its wall clock is compared with plain greedy decoding on the same prompts.
 
 CLI: specdraft-eval --model DIR --prompts FILE|rag:SEED ... [--target NAME] [--limit N] [--k 16] [--out m.json]
+     [--tree-budgets 16 32] [--tree-sources "packed + copy prior" packed]
 """
 from __future__ import annotations
 
@@ -32,12 +37,23 @@ from drafter_lib.decoding.backends import make_backend
 from drafter_lib.decoding.speculative import as_target, mean_acceptance_length, speculative_generate
 from drafter_lib.evaluation import bootstrap
 from drafter_lib.evaluation.acceptance import origin_of_groups, pool_by_origin, simulate
-from drafter_lib.evaluation.drafters import engine_from_dir, load_hf_checkpoint, standard_baselines
+from drafter_lib.evaluation.drafters import (
+    DEFAULT_TREE_BUDGETS,
+    DEFAULT_TREE_SOURCES,
+    TREE_SOURCES,
+    check_tree_budgets,
+    check_tree_sources,
+    engine_from_dir,
+    load_hf_checkpoint,
+    standard_baselines,
+    tree_rows,
+)
 from drafter_lib.packed.config_keys import RECOMMENDED
 
 __all__ = ["load_eval_prompts", "spread_over_categories", "encode_records", "greedy_references", "cached_references",
            "conversation_references", "context_limit", "end_to_end", "run_evaluation", "baselines_table",
-           "category_table", "position_table", "write_metrics", "save_plots", "main"]
+           "category_table", "position_table", "interval_table", "tree_table", "write_metrics", "save_plots",
+           "main"]
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Prompts
@@ -263,12 +279,15 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
                    e2e_prompts: int = 4, e2e_k: int | None = None, e2e_max_new_tokens: int | None = None,
                    e2e_drafter=None,
                    batch_size: int = 16, references_path: str | Path | None = None, backend: str = "auto",
-                   limit: int | None = None, log: Callable[[str], None] = print) -> dict:
+                   limit: int | None = None, tree_budgets: Sequence[int] = (),
+                   tree_sources: Sequence[str] = DEFAULT_TREE_SOURCES, log: Callable[[str], None] = print) -> dict:
     """Every chat turn of `records` as an item (`heldout.conversation_items`; later turns: category "multi-turn"),
     those that fit the models' context, `limit` of them spread over the groups; simulate every drafter on the
-    target's greedy references (growing drafts, exact for these drafters), then run real speculative decoding with
-    the `primary` drafter (default: the last one) on `e2e_prompts` prompts, or `e2e_drafter` where given (the
-    pack as shipped: its copy policy and its own draft threshold). Returns the metrics dict."""
+    target's greedy references (growing drafts, exact for these drafters), then the trees of `tree_budgets` nodes
+    (depth <= k) of the drafters named in `tree_sources` that draft trees (`drafters.tree_rows`; the others are
+    left out with a logged reason), then run real speculative decoding with the `primary` drafter (default: the
+    last one) on `e2e_prompts` prompts, or `e2e_drafter` where given (the pack as shipped: its copy policy and its
+    own draft threshold). Returns the metrics dict."""
     if not drafters:
         raise ValueError("no drafters to evaluate")
     if group_by not in ("category", "source"):
@@ -276,6 +295,9 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
     primary = primary or list(drafters)[-1]
     if primary not in drafters:
         raise ValueError(f"primary drafter {primary!r} is not one of {list(drafters)}")
+    trees, trees_skipped = tree_rows(drafters, tree_budgets, tree_sources)
+    for reason in trees_skipped:
+        log(f"tree rows left out: {reason}")
     ctx = context_limit(target, drafters)
     items, too_long = _fitting(tokenizer, conversation_items(records), ctx and ctx - max_new_tokens - k - 1,
                                max_new_tokens)
@@ -298,6 +320,13 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
         results[name] = res.to_dict()
         by_origin[name] = pool_by_origin(res.per_category, groups, origins)
         log(f"{name:28s} MAL {res.overall.mean_acceptance_length:.3f}  ({res.seconds:.1f}s)")
+    for name, row in trees.items():
+        res = simulate(row.drafter, prompts, refs, k=k, categories=groups, batch_size=batch_size, desc=name,
+                       tree_budget=row.budget)
+        results[name] = res.to_dict()
+        by_origin[name] = pool_by_origin(res.per_category, groups, origins)
+        log(f"{name:28s} MAL {res.overall.mean_acceptance_length:.3f}  {res.mean_tree_nodes:.1f} nodes/step  "
+            f"({res.seconds:.1f}s)")
     e2e = {}
     if e2e_prompts > 0:
         # the e2e subset is spread over groups too, so it is not all one kind of prompt
@@ -337,6 +366,10 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
         # 95 % bootstrap intervals over prompts (bootstrap.py): each drafter's MAL overall ("all"), per group and
         # per origin, and each drafter against the primary on the same prompts (paired)
         **intervals(results, groups, origins, primary),
+        # tree rows ("<chain> tree N"): budget, size and MAL, and each minus its chain row on the same prompts
+        "tree_budgets": list(tree_budgets),
+        "trees": tree_summary(results, trees),
+        "trees_left_out": trees_skipped,
         "lossless": e2e.get("lossless"),
         "speedup": e2e.get("speedup"),
         "end_to_end": e2e,
@@ -362,6 +395,39 @@ def intervals(results: dict[str, dict], groups: Sequence[str], origins: Sequence
     return out
 
 
+def tree_summary(results: dict[str, dict], trees: dict) -> dict[str, dict]:
+    """name -> {"budget", "chain", "mal", "mean_nodes", "mean_depth", "vs_chain": the tree row minus its chain
+    row on the same prompts (bootstrap.paired_difference)} of each tree row of `results`."""
+    out: dict[str, dict] = OrderedDict()
+    for name, row in trees.items():
+        r = results[name]
+        out[name] = {"budget": row.budget, "chain": row.chain, "mal": r["mean_acceptance_length"],
+                     "mean_nodes": r["mean_tree_nodes"], "mean_depth": r["mean_tree_depth"],
+                     "vs_chain": (bootstrap.paired_difference(r["per_prompt"], results[row.chain]["per_prompt"])
+                                  if row.chain in results else None)}
+    return out
+
+
+def tree_table(metrics: dict) -> str:
+    """One row per tree row: its budget, mean nodes per step, MAL with its 95 % interval, and minus its chain row
+    on the same prompts (paired) with whether that interval excludes 0; then why any tree rows were left out."""
+    trees = metrics.get("trees") or {}
+    lines = []
+    if trees:
+        rows = []
+        for name, t in trees.items():
+            d = t.get("vs_chain")
+            rows.append([name, str(t["budget"]), f"{t['mean_nodes']:.1f}",
+                         bootstrap.fmt(metrics.get("mal_ci", {}).get(name, {}).get("all")),
+                         f"{d['difference']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" if d else "-",
+                         ("yes" if d["resolved"] else "no") if d else "-"])
+        lines.append(_fmt_table(["tree", "budget", "nodes/step", "MAL [95 %]", "minus its chain [95 %]",
+                                 "resolved"], rows))
+    for reason in metrics.get("trees_left_out") or []:
+        lines.append(f"left out: {reason}")
+    return "\n".join(lines) if lines else "(no tree rows: no tree budgets)"
+
+
 def interval_table(metrics: dict) -> str:
     """Each drafter's MAL with its 95 % interval overall and per origin (columns), then each drafter minus the
     primary on the same prompts, and whether the interval of that difference excludes 0."""
@@ -379,16 +445,38 @@ def interval_table(metrics: dict) -> str:
 
 
 def save_plots(metrics: dict, out_dir: str | Path) -> list[Path]:
-    """The evaluation's PNGs: accepted-length histogram, per-position curves, per-category bars and heatmap."""
+    """The evaluation's PNGs: accepted-length histogram, per-position curves, per-category bars (chain rows) and
+    heatmap (every row); with tree rows, tokens per target step against the tree budget and acceptance per depth."""
     from drafter_lib.common import plots
 
     out_dir = Path(out_dir)
     res = metrics["baselines"]
-    return [plots.acceptance_histogram(res, out_dir / "acceptance_hist.png"),
-            plots.position_acceptance(res, out_dir / "position_acceptance.png"),
-            plots.per_category(res, out_dir / "per_category.png"),
-            plots.category_heatmap(res, out_dir / "category_heatmap.png",
-                                   counts=metrics.get("prompts_per_category"))]
+    trees = metrics.get("trees") or {}
+    chains = {n: r for n, r in res.items() if n not in trees}  # the chain plots stay as they were
+    out = [plots.acceptance_histogram(chains, out_dir / "acceptance_hist.png"),
+           plots.position_acceptance(chains, out_dir / "position_acceptance.png"),
+           plots.per_category(chains, out_dir / "per_category.png"),
+           plots.category_heatmap(res, out_dir / "category_heatmap.png", counts=metrics.get("prompts_per_category"))]
+    if trees:
+        out.append(plots.tree_budget_acceptance(tree_curves(metrics), out_dir / "tree_budget.png"))
+    return out
+
+
+def tree_curves(metrics: dict) -> dict[str, list[dict]]:
+    """What `plots.tree_budget_acceptance` draws: chain row -> its points by budget, each {"label": "chain k" |
+    "tree N", "budget": nodes per target step (a chain of k tokens is a tree of k nodes), "mal", "ci": [lo, hi],
+    "per_depth": acceptance rate per draft position (depth)}."""
+    res, ci, k = metrics["baselines"], metrics.get("mal_ci", {}), metrics["k"]
+    rows: dict[str, list[tuple[int, str, str]]] = OrderedDict()
+    for name, t in metrics["trees"].items():
+        rows.setdefault(t["chain"], [(k, t["chain"], f"chain {k}")] if t["chain"] in res else []).append(
+            (t["budget"], name, f"tree {t['budget']}"))
+    nan2 = [float("nan"), float("nan")]
+    return {chain: [{"label": label, "budget": x, "mal": res[row]["mean_acceptance_length"],
+                     "ci": (ci.get(row, {}).get("all") or {}).get("ci", nan2),
+                     "per_depth": res[row]["per_position_acceptance"]}
+                    for x, row, label in sorted(pts, key=lambda p: (p[0], p[2].startswith("tree")))]
+            for chain, pts in rows.items()}
 
 
 def main(argv=None) -> dict:
@@ -409,6 +497,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--fp-checkpoint", default=None, help="HF dir of the fp distilled drafter (baseline)")
     ap.add_argument("--e2e-prompts", type=int, default=4, help="prompts for the real speculative decoding run")
     ap.add_argument("--e2e-k", type=int, default=None, help="draft tokens per step in the e2e run (default --k)")
+    ap.add_argument("--tree-budgets", type=int, nargs="*", default=list(DEFAULT_TREE_BUDGETS), metavar="N",
+                    help="rows of draft trees of N nodes (depth <= --k) of the --tree-sources engines; none: no tree "
+                         "rows (default: %(default)s)")
+    ap.add_argument("--tree-sources", nargs="+", default=list(DEFAULT_TREE_SOURCES), metavar="ROW",
+                    help=f"the chain rows whose engines draft the tree rows, of {list(TREE_SOURCES)} "
+                         "(default: %(default)s)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--references", default=None,
                     help="JSONL cache of the target's references: reused when present (compare drafters on one set)")
@@ -420,6 +514,11 @@ def main(argv=None) -> dict:
         ap.error("--k and --max-new-tokens must be >= 1")
     if args.limit is not None and args.limit < 1:
         ap.error("--limit must be >= 1")
+    try:
+        check_tree_budgets(args.tree_budgets, "--tree-budgets")
+        check_tree_sources(args.tree_sources, "--tree-sources")
+    except ValueError as e:
+        ap.error(str(e))
     if not Path(args.model).is_dir():
         ap.error(f"--model {args.model} is not a directory")
     try:
@@ -435,11 +534,14 @@ def main(argv=None) -> dict:
     metrics = run_evaluation(target, tok, records, drafters, k=args.k, max_new_tokens=args.max_new_tokens,
                              group_by=args.group_by, e2e_prompts=args.e2e_prompts, e2e_k=args.e2e_k,
                              batch_size=args.batch_size, limit=args.limit, references_path=args.references,
-                             e2e_drafter=engine_from_dir(args.model, min_confidence=RECOMMENDED))
+                             e2e_drafter=engine_from_dir(args.model, min_confidence=RECOMMENDED),
+                             tree_budgets=args.tree_budgets, tree_sources=args.tree_sources)
     metrics.update({"target": args.target, "model": str(args.model), "prompts": list(args.prompts)})
     print()
     print(baselines_table(metrics["baselines"], args.k, metrics["prompts_per_category"]))
     print("\nmean acceptance length, 95 % bootstrap interval over prompts:\n" + interval_table(metrics))
+    if args.tree_budgets:
+        print("\ndraft trees (depth <= k), against their chain on the same prompts:\n" + tree_table(metrics))
     print(f"\nlossless: {metrics['lossless']}   speedup: {metrics['speedup']}")
     if args.out:
         write_metrics(args.out, metrics)

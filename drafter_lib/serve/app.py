@@ -8,7 +8,9 @@ between requests except its prefix KV cache, whose bytes are bounded (MAX_CACHE_
 `min_confidence` gets exactly `num_draft_tokens` tokens, unless the operator set a server-wide default
 (DEFAULT_MIN_CONFIDENCE: a number, or "recommended" for the model dir's `draft_min_confidence`); a request's own
 `min_confidence` stops its draft early; `return_probs` adds `probs` to its answer. Requests with different
-thresholds share a batch.
+thresholds share a batch. A request with `tree` gets a draft tree (`DraftEngine.draft_tree_result`; its depth bound
+defaults to `num_draft_tokens`), queued like the others and run alone; its answer adds `tree` and its `draft` is the
+tree's first chain.
 
 Overload: at most MAX_QUEUE requests wait for a batch; the next ones get 503 with Retry-After at once, and a
 request not answered within REQUEST_TIMEOUT_S gets 503 too. Shutdown: SIGTERM (or SIGINT) starts a drain:
@@ -47,6 +49,7 @@ from drafter_lib.serve.schema import (
     Health,
     Limits,
     Timing,
+    TreeAnswer,
     describe,
     error_responses,
     openapi_document,
@@ -62,6 +65,7 @@ class ServeState:
     """What the routes and the draining server share."""
     engine: object = None  # the DraftEngine, once loaded
     run_batch: object = None  # its draft_batch (with heap trimming)
+    run_tree: object = None  # its draft_tree_result (with heap trimming)
     load_s: float | None = None
     load_error: str | None = None  # loading failed: the server stops
     draining: bool = False
@@ -71,6 +75,7 @@ class ServeState:
     def ready(self, engine, load_s: float) -> None:
         """The drafter the routes use from now on."""
         self.run_batch, self.load_s = _trimming(engine), load_s
+        self.run_tree = _trimming(engine, tree=True)
         self.engine = engine  # last: a route that sees it finds run_batch set
 
     @property
@@ -168,13 +173,15 @@ def _release_freed_memory(collect: bool = True) -> None:
         pass
 
 
-def _trimming(engine):
-    """engine.draft_batch, followed by a malloc_trim whenever the batch evicted cache entries: measured on the
-    shipped model under a flood of distinct 2k-token contexts, RSS rose 527 MiB above its warm level with a
-    256 MiB cache bound without it."""
-    def run(requests, k, **options):
+def _trimming(engine, tree: bool = False):
+    """engine.draft_batch (or, with `tree`, engine.draft_tree_result), followed by a malloc_trim whenever the call
+    evicted cache entries: measured on the shipped model under a flood of distinct 2k-token contexts, RSS rose
+    527 MiB above its warm level with a 256 MiB cache bound without it."""
+    def run(*args, **options):
+        if tree and not hasattr(engine, "draft_tree_result"):
+            raise ValueError("tree: this drafter does not draft trees")
         before = engine.cache_info()["evictions"] if hasattr(engine, "cache_info") else None
-        out = engine.draft_batch(requests, k, **options)
+        out = (engine.draft_tree_result if tree else engine.draft_batch)(*args, **options)
         if before is not None and engine.cache_info()["evictions"] != before:
             _release_freed_memory(collect=False)
         return out
@@ -225,7 +232,7 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
     batcher = MicroBatcher(lambda requests, k, **options: state.run_batch(requests, k, **options),
                            window_s=settings.batch_window_ms / 1e3, max_batch=settings.max_batch,
                            max_queue=settings.max_queue, request_timeout_s=settings.request_timeout_s,
-                           executor=thread)
+                           executor=thread, run_tree=lambda tokens, **options: state.run_tree(tokens, **options))
     state.metrics.bind(batcher, lambda: state.engine, lambda: state.draining)
     started = time.time()
 
@@ -268,7 +275,8 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
               responses=error_responses(400, 413, 422, 503))
     async def draft(request: Request):
         """Greedy draft of `num_draft_tokens` tokens continuing `tokens` (fewer once the drafter's probability of
-        its next token falls below `min_confidence`)."""
+        its next token falls below `min_confidence`), or with `tree` a draft tree (`tree` in the answer, `draft` its
+        first chain)."""
         # The body is parsed here rather than by FastAPI so that every failure gets one clear message (and a
         # client that forgets the JSON content-type still works); the schema is published in the OpenAPI doc.
         t0 = time.perf_counter()
@@ -298,10 +306,15 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
                 return answer(422, f"{exc} (vocab_size={limits.vocab_size}, valid ids are "
                                    f"0..{limits.vocab_size - 1})", t0)
             try:
-                options = {"return_probs": True} if req.return_probs else {}
-                if req.min_confidence is not None:
-                    options["min_confidence"] = req.min_confidence
-                res = await batcher.submit(tokens, k, **options)
+                if req.tree is not None:
+                    tree = req.tree
+                    res = await batcher.submit_tree(tokens, budget=tree.budget, branch=tree.branch,
+                                                    max_depth=k if tree.max_depth is None else tree.max_depth)
+                else:
+                    options = {"return_probs": True} if req.return_probs else {}
+                    if req.min_confidence is not None:
+                        options["min_confidence"] = req.min_confidence
+                    res = await batcher.submit(tokens, k, **options)
             except Overloaded as exc:
                 return unavailable(exc, t0)
             except ValueError as exc:  # the engine's own input checks (ours above should have caught it first)
@@ -310,6 +323,10 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
             state.metrics.observe(200, total)
             state.metrics.observe_draft(res.queue_ms / 1e3, len(res.draft), res.cached_prefix_len)
             extra = {"probs": res.probs} if req.return_probs else {}
+            if res.tree is not None:
+                state.metrics.observe_tree(len(res.tree))
+                extra["tree"] = TreeAnswer(tokens=list(res.tree.tokens), parents=list(res.tree.parents),
+                                           probs=list(res.tree.probs))
             return DraftResponse(
                 draft=res.draft, num_draft_tokens=k, context_len=len(tokens), batch_size=res.batch_size,
                 cached_prefix_len=res.cached_prefix_len, batch_cached_tokens=res.batch_cached_tokens,

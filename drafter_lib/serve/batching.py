@@ -21,6 +21,10 @@ running, finishes and is dropped). The server turns both into 503 + Retry-After.
 Per-request options (`min_confidence`, `return_probs`) do not split a batch: requests with different thresholds
 share one `run_batch(tokens, k, min_confidence=[...], return_probs=[...])` call (the engine takes one value per
 request). A batch whose requests all use the defaults calls `run_batch(tokens, k)` as before.
+
+Draft trees (`submit_tree`) wait in the same queue, under the same MAX_QUEUE bound and timeout, and are gathered
+with the other requests, but each runs alone (`run_tree(tokens, budget=, max_depth=, branch=)`, the engine's
+`draft_tree_result`, a batch of one) on the same worker thread: a tree's levels are already one pass each.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class DraftResult:
     cached_prefix_len: int | None = None  # this request's context tokens served from the prefix cache
     batch_cached_tokens: int | None = None  # the same, summed over the batch
     probs: list | None = None  # the drafter's probability of each draft token (None: copied), when computed
+    tree: object = None  # a tree request's DraftTree (`draft` then holds its first chain)
 
 
 @dataclass(eq=False)  # hashed by identity: kept in a set
@@ -73,8 +78,9 @@ class _Pending:
     k: int
     future: asyncio.Future
     enqueued: float
-    options: dict  # per-request options (OPTION_DEFAULTS keys)
+    options: dict  # per-request options (OPTION_DEFAULTS keys); a tree request's: budget, max_depth, branch
     queued: bool = True  # counted in the queue depth until its batch starts (or it gives up)
+    tree: bool = False  # a draft tree request (runs alone)
 
 
 class EngineThread(Executor):
@@ -118,7 +124,8 @@ class MicroBatcher:
 
     def __init__(self, run_batch: RunBatch, window_s: float = 0.02, max_batch: int = 32,
                  run_one: Callable[..., list] | None = None, max_queue: int | None = None,
-                 request_timeout_s: float | None = None, executor: Executor | None = None):
+                 request_timeout_s: float | None = None, executor: Executor | None = None,
+                 run_tree: Callable | None = None):
         if window_s < 0:
             raise ValueError(f"window_s must be >= 0, got {window_s}")
         if max_batch < 1:
@@ -128,6 +135,7 @@ class MicroBatcher:
         if request_timeout_s is not None and request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.run_batch = run_batch
+        self.run_tree = run_tree  # run_tree(tokens, budget=, max_depth=, branch=) -> tree_draft.TreeDraft
         # Fallback used when a whole batch fails: retry each request alone so one bad request cannot fail others.
         self.run_one = run_one or (lambda tokens, k, **opt: run_batch([tokens], k, **{
             name: [v] for name, v in opt.items()})[0])
@@ -145,7 +153,8 @@ class MicroBatcher:
         self._mean_batch = 1.0  # moving average of batch size
         self._closed = False
         self._live: set[_Pending] = set()  # submitted and not yet answered (queued, gathered or running)
-        self.stats = {"requests": 0, "batches": 0, "max_batch_seen": 0, "rejected_queue_full": 0, "timeouts": 0}
+        self.stats = {"requests": 0, "batches": 0, "max_batch_seen": 0, "rejected_queue_full": 0, "timeouts": 0,
+                      "trees": 0}
         self.batch_sizes: Counter[int] = Counter()  # batch size -> batches of that size
 
     @property
@@ -192,6 +201,16 @@ class MicroBatcher:
         unknown = set(options) - set(OPTION_DEFAULTS)
         if unknown:
             raise TypeError(f"unknown draft options {sorted(unknown)}")
+        return await self._enqueue(tokens, k, {**OPTION_DEFAULTS, **options}, tree=False)
+
+    async def submit_tree(self, tokens: list[int], budget: int, max_depth: int, branch: int) -> DraftResult:
+        """A draft tree for one request, queued like `submit` (same bounds) and run alone; the result's `tree` is
+        the DraftTree, its `draft` the tree's first chain and `probs` that chain's probabilities."""
+        if self.run_tree is None:
+            raise ValueError("this drafter does not draft trees")
+        return await self._enqueue(tokens, 0, dict(budget=budget, max_depth=max_depth, branch=branch), tree=True)
+
+    async def _enqueue(self, tokens: list[int], k: int, options: dict, tree: bool) -> DraftResult:
         if self._queue is None:
             raise RuntimeError("MicroBatcher.start() was not called")
         if self._closed:
@@ -204,7 +223,7 @@ class MicroBatcher:
         self._inflight += 1
         if self._inflight >= self._peak or now - self._peak_at > PEAK_MEMORY_S:
             self._peak, self._peak_at = self._inflight, now
-        p = _Pending(tokens, k, asyncio.get_running_loop().create_future(), now, {**OPTION_DEFAULTS, **options})
+        p = _Pending(tokens, k, asyncio.get_running_loop().create_future(), now, options, tree=tree)
         self._waiting += 1
         self._live.add(p)
         try:
@@ -218,6 +237,39 @@ class MicroBatcher:
             self._dequeue(p)  # a request that gave up (timeout, client gone) leaves the queue depth here
             self._live.discard(p)
             self._inflight -= 1
+
+    def _count(self, started: float, size: int) -> float:
+        """Record a finished engine call of `size` requests that started at `started`; returns its seconds."""
+        compute_s = time.perf_counter() - started
+        first = self.stats["batches"] == 0
+        self._compute_s = compute_s if first else 0.8 * self._compute_s + 0.2 * compute_s
+        self._mean_batch = size if first else 0.8 * self._mean_batch + 0.2 * size
+        self.stats["requests"] += size
+        self.stats["batches"] += 1
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], size)
+        self.batch_sizes[size] += 1
+        return compute_s
+
+    async def _run_tree(self, p: _Pending) -> None:
+        started = time.perf_counter()
+        self._dequeue(p)
+        try:
+            out = await self.call_in_worker(functools.partial(self.run_tree, p.tokens, **p.options))
+            err = None
+        except Exception as e:  # noqa: BLE001 - handed to the waiting request
+            out, err = None, e
+        compute_s = self._count(started, 1)
+        self.stats["trees"] += 1
+        if p.future.done():
+            return
+        if err is not None:
+            p.future.set_exception(err)
+            return
+        cached = getattr(out, "cached_prefix_len", None)
+        p.future.set_result(DraftResult(draft=[int(t) for t in out.chain], batch_size=1,
+                                        queue_ms=(started - p.enqueued) * 1e3, compute_ms=compute_s * 1e3,
+                                        cached_prefix_len=cached, batch_cached_tokens=cached,
+                                        probs=list(out.chain_probs), tree=out.tree))
 
     def _dequeue(self, p: _Pending) -> None:
         if p.queued:
@@ -250,14 +302,16 @@ class MicroBatcher:
             batch = await self._gather()
             batch = [p for p in batch if not p.future.done()]  # client went away / timed out while queued
             # draft_batch takes one k; requests with different k run as separate calls (a longer greedy draft
-            # truncated is not guaranteed to equal a shorter one once a copy prior is involved).
-            by_k: dict[int, list[_Pending]] = {}
+            # truncated is not guaranteed to equal a shorter one once a copy prior is involved). A tree runs alone.
+            by_k: dict = {}
             for p in batch:
-                by_k.setdefault(p.k, []).append(p)
-            for k, group in by_k.items():
+                by_k.setdefault(id(p) if p.tree else p.k, []).append(p)
+            for group in by_k.values():
                 group = [p for p in group if not p.future.done()]
-                if group:
-                    await self._run_group(k, group)
+                if group and group[0].tree:
+                    await self._run_tree(group[0])
+                elif group:
+                    await self._run_group(group[0].k, group)
 
     async def _run_group(self, k: int, group: list[_Pending]) -> None:
         started = time.perf_counter()
@@ -284,14 +338,7 @@ class MicroBatcher:
                         results.append((await self.call_in_worker(one_call), None))
                     except Exception as e:  # noqa: BLE001
                         results.append((None, e))
-        compute_s = time.perf_counter() - started
-        first = self.stats["batches"] == 0
-        self._compute_s = compute_s if first else 0.8 * self._compute_s + 0.2 * compute_s
-        self._mean_batch = len(group) if first else 0.8 * self._mean_batch + 0.2 * len(group)
-        self.stats["requests"] += len(group)
-        self.stats["batches"] += 1
-        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(group))
-        self.batch_sizes[len(group)] += 1
+        compute_s = self._count(started, len(group))
         cached = [getattr(out, "cached_prefix_len", None) for out, _ in results]
         batch_cached = None if None in cached else sum(cached)
         for p, (out, err), c in zip(group, results, cached):

@@ -3,7 +3,9 @@
 `SpeculativeClient` is a drafter like any other (`draft(tokens, k, min_confidence=None) -> list[int]`), so the
 speculative loop runs against the server with `speculative.speculative_generate(target, prompt, max_new_tokens,
 client, k)`. `AsyncSpeculativeClient` has the same methods as coroutines. `draft_many` sends several sequences at
-once: the server micro-batches concurrent requests, so this is how a client gets batching.
+once: the server micro-batches concurrent requests, so this is how a client gets batching. `draft_tree(tokens,
+budget, max_depth)` returns the server's draft tree (a `decoding.tree.DraftTree`), so a client is also a tree drafter
+for `speculative_generate(..., tree_budget=N)`.
 
 Both clients retry a 503 (queue full, request timed out, server starting or draining) and a request that got no
 answer (connection refused or dropped, timeout), waiting the server's `Retry-After` or a short exponential backoff,
@@ -20,8 +22,12 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from drafter_lib.decoding.tree import DraftTree
 
 
 class DraftServerError(RuntimeError):
@@ -73,6 +79,20 @@ def draft_body(tokens: Sequence[int], k: int, min_confidence: float | None, retu
     if return_probs:
         body["return_probs"] = True
     return body
+
+
+def tree_body(tokens: Sequence[int], budget: int, max_depth: int, branch: int | None) -> dict:
+    """The JSON body of a POST /draft tree request (`branch` None: the server's default)."""
+    tree = {"budget": int(budget), "max_depth": int(max_depth)}
+    if branch is not None:
+        tree["branch"] = int(branch)
+    return {"tokens": [int(t) for t in tokens], "tree": tree}
+
+
+def _tree(answer: dict) -> DraftTree:
+    from drafter_lib.decoding.tree import DraftTree  # here: importing the client does not import torch
+
+    return DraftTree.from_dict(answer["tree"])
 
 
 def _result(method: str, path: str, response: httpx.Response, tries: int) -> dict:
@@ -141,6 +161,16 @@ class SpeculativeClient(_ClientBase):
                        return_probs: bool = False) -> dict:
         return self._request("POST", "/draft", draft_body(tokens, k, min_confidence, return_probs))
 
+    def draft_tree(self, tokens: Sequence[int], budget: int = 16, max_depth: int = 16,
+                   branch: int | None = None) -> DraftTree:
+        """A draft tree of at most `budget` nodes and `max_depth` levels (`branch`: candidates per expanded node; None:
+        the server's default), parents before children, with each node's path probability."""
+        return _tree(self.draft_tree_response(tokens, budget, max_depth, branch))
+
+    def draft_tree_response(self, tokens: Sequence[int], budget: int = 16, max_depth: int = 16,
+                            branch: int | None = None) -> dict:
+        return self._request("POST", "/draft", tree_body(tokens, budget, max_depth, branch))
+
     def draft_many(self, sequences: Sequence[Sequence[int]], k: int = 16,
                    min_confidence: float | None = None) -> list[list[int]]:
         """One draft per sequence, in input order, sent concurrently so that the server batches them. All requests
@@ -204,6 +234,14 @@ class AsyncSpeculativeClient(_ClientBase):
     async def draft_response(self, tokens: Sequence[int], k: int = 16, min_confidence: float | None = None,
                              return_probs: bool = False) -> dict:
         return await self._request("POST", "/draft", draft_body(tokens, k, min_confidence, return_probs))
+
+    async def draft_tree(self, tokens: Sequence[int], budget: int = 16, max_depth: int = 16,
+                         branch: int | None = None) -> DraftTree:
+        return _tree(await self.draft_tree_response(tokens, budget, max_depth, branch))
+
+    async def draft_tree_response(self, tokens: Sequence[int], budget: int = 16, max_depth: int = 16,
+                                  branch: int | None = None) -> dict:
+        return await self._request("POST", "/draft", tree_body(tokens, budget, max_depth, branch))
 
     async def draft_many(self, sequences: Sequence[Sequence[int]], k: int = 16,
                          min_confidence: float | None = None) -> list[list[int]]:

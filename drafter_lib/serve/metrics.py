@@ -10,6 +10,8 @@ Observed per request (app.py calls `observe` for every /draft answer and `observ
   specdraft:request_queue_time_seconds          histogram: time an answered request waited for its batch
   specdraft:draft_tokens                        histogram: draft length of each answer
   specdraft:prefix_cache_hit_tokens             histogram: context tokens of each answer served from the prefix cache
+  specdraft:tree_nodes                          histogram: nodes of each answered tree request (its _count: the tree
+                                                requests answered; `draft_tokens` counts their first chains)
 
 Read at scrape time from what `bind` gave (the batcher's and the engine's counters are plain numbers, read on the
 event loop without touching the engine's thread):
@@ -44,6 +46,7 @@ QUEUE_BUCKETS = (0.0005,) + LATENCY_BUCKETS  # most waits are below BATCH_WINDOW
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # MAX_BATCH is 32 by default
 DRAFT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # num_draft_tokens is 1..64, default 16
 CACHE_HIT_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)  # 0: a miss
+TREE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)  # a tree's budget is 1..64
 REASONS = ("queue_full", "timeout", "draining", "shutting_down")  # the 503s (batching.Overloaded, app.py)
 QUANTILES = (0.5, 0.9, 0.99)
 # engine.cache_info() key -> (metric name, help), read at scrape time
@@ -178,6 +181,8 @@ class Metrics:
         self.cache_hit_tokens = Histogram(PREFIX + "prefix_cache_hit_tokens", "Context tokens of an answered "
                                           "request served from the prefix cache.", buckets=CACHE_HIT_BUCKETS,
                                           registry=reg)
+        self.tree_nodes = Histogram(PREFIX + "tree_nodes", "Nodes per answered draft-tree request.",
+                                    buckets=TREE_BUCKETS, registry=reg)
         self.requests.labels(status="200", reason="")  # known series start at 0, so rate() sees their first one
         for reason in REASONS:
             self.requests.labels(status="503", reason=reason)
@@ -205,6 +210,10 @@ class Metrics:
         self.draft_tokens.observe(draft_len)
         if cached_tokens is not None:
             self.cache_hit_tokens.observe(cached_tokens)
+
+    def observe_tree(self, nodes: int) -> None:
+        """Each 200 answer to a tree request (after `observe_draft`): its tree's node count."""
+        self.tree_nodes.observe(nodes)
 
     def exposition(self) -> tuple[bytes, str]:
         """GET /metrics: (body, content type) in the Prometheus text format."""
@@ -238,10 +247,12 @@ class Metrics:
             "queue_ms": _histogram_stats(self.queue_time, 1e3),
             "draft_tokens": {k: v for k, v in _histogram_stats(self.draft_tokens, 1.0, 2).items()
                              if k in ("count", "mean")},  # whole numbers: interpolated percentiles would mislead
+            "tree_nodes": {k: v for k, v in _histogram_stats(self.tree_nodes, 1.0, 2).items()
+                           if k in ("count", "mean")},
             "cache": {**cache, "hit_rate": (cache.get("cache_hits", 0) / lookups) if lookups else None},
             "rss_bytes": rss_bytes(),
         }
 
 
 __all__ = ["Metrics", "histogram_quantile", "rss_bytes", "LATENCY_BUCKETS", "QUEUE_BUCKETS", "BATCH_BUCKETS",
-           "DRAFT_BUCKETS", "CACHE_HIT_BUCKETS", "REASONS"]
+           "DRAFT_BUCKETS", "CACHE_HIT_BUCKETS", "TREE_BUCKETS", "REASONS"]

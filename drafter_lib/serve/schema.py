@@ -4,7 +4,9 @@ The request model is built when the app is created (the model is loaded first), 
 bounds: ids are integers in [0, vocab_size), `tokens` has 1..max_tokens items, `num_draft_tokens` is in 1..max_draft;
 optional `min_confidence` (a number in [0, 1], or null = the server's default: off unless the operator set one) and
 `return_probs` (a boolean, default false). max_tokens = max_context - max_draft, so every request the schema admits fits
-the model's context (JSON Schema cannot bound the sum of two fields).
+the model's context (JSON Schema cannot bound the sum of two fields). Optional `tree` ({"budget": 1..64, "max_depth":
+1..max_draft or null = num_draft_tokens, "branch": 1..16, default 4}; null = absent) asks for a draft tree instead of
+a chain; every field combination the schema admits is served (a tree ignores `min_confidence`).
 
 The document is OpenAPI 3.0.3, whose schemas follow JSON Schema draft 4 (Wright-00): an integer there is a
 number without a fraction part, so `13.0` is not an integer id and the server's 422 for it is what the schema
@@ -20,7 +22,13 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 DEFAULT_DRAFT_TOKENS = 16
 MAX_DRAFT_TOKENS = 64  # a draft longer than this is almost never accepted in full; bounds the work per request
-REQUEST_FIELDS = ("tokens", "num_draft_tokens", "min_confidence", "return_probs")
+REQUEST_FIELDS = ("tokens", "num_draft_tokens", "min_confidence", "return_probs", "tree")
+TREE_FIELDS = ("budget", "max_depth", "branch")
+# the engine's tree bounds (engine/tree_draft.py: MAX_TREE_BUDGET, MAX_BRANCH, DEFAULT_BRANCH), kept here so that
+# importing the app does not import the engine
+MAX_TREE_BUDGET = 64
+MAX_TREE_BRANCH = 16
+DEFAULT_TREE_BRANCH = 4
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,15 @@ def request_model(limits: Limits) -> type[BaseModel]:
     ids); the upper id bound is checked by io_utils.check_token_ids (one definition for every component) and
     published in the schema through `json_schema_extra`."""
     token_id = Annotated[StrictInt, Field(ge=0, json_schema_extra={"maximum": limits.vocab_size - 1})]
+    tree = create_model(
+        "TreeRequest",
+        __config__=ConfigDict(extra="forbid"),
+        budget=(StrictInt, Field(..., ge=1, le=MAX_TREE_BUDGET, description="Most nodes the tree holds.")),
+        max_depth=(StrictInt | None, Field(None, ge=1, le=limits.max_draft,
+                                           description="Most levels; absent or null: num_draft_tokens.")),
+        branch=(StrictInt, Field(DEFAULT_TREE_BRANCH, ge=1, le=MAX_TREE_BRANCH,
+                                 description="Candidates per expanded node, and nodes expanded per level.")),
+    )
     return create_model(
         "DraftRequest",
         __config__=ConfigDict(extra="forbid"),
@@ -62,6 +79,10 @@ def request_model(limits: Limits) -> type[BaseModel]:
                         "num_draft_tokens tokens); 0: off.")),
         return_probs=(StrictBool, Field(False, description="Also return each draft token's probability under the "
                                                            "drafter (null for a token copied from the context).")),
+        tree=(tree | None, Field(None, description="Draft a tree of candidates instead of a chain (absent or null: "
+                                                   "the chain); the answer's `tree` holds it, `draft` its first chain "
+                                                   "(the greedy draft as far as the tree goes). min_confidence does "
+                                                   "not apply to a tree.")),
     )
 
 
@@ -69,6 +90,13 @@ class Timing(BaseModel):
     queue_ms: float
     compute_ms: float
     total_ms: float
+
+
+class TreeAnswer(BaseModel):
+    tokens: list[int] = Field(description="Node tokens, parents before children (breadth first).")
+    parents: list[int] = Field(description="Each node's parent: an earlier node's index, or -1 for the context.")
+    probs: list[float] = Field(description="Each node's path probability under the drafter (a copied token counts "
+                                           "1).")
 
 
 class DraftResponse(BaseModel):
@@ -81,6 +109,8 @@ class DraftResponse(BaseModel):
     batch_cached_tokens: int | None = Field(None, description="The same, summed over the requests of the batch.")
     probs: list[float | None] | None = Field(None, description="Only with return_probs: each draft token's "
                                                                "probability under the drafter (null: copied).")
+    tree: TreeAnswer | None = Field(None, description="Only for a tree request: the draft tree (`draft` is then its "
+                                                      "first chain).")
     timing: Timing
 
 
@@ -102,10 +132,12 @@ def describe(err: dict, limits: Limits) -> str:
         where += f"[{p}]" if isinstance(p, int) else (f".{p}" if where else str(p))
     kind = err.get("type")
     msg = err.get("msg", "invalid value")
+    in_tree = loc[:1] == ["tree"]
     if kind in ("model_type", "model_attributes_type"):
-        msg = "expected a JSON object {\"tokens\": [...], \"num_draft_tokens\": ...}"
+        msg = ("expected a JSON object {\"budget\": int, ...} or null" if in_tree else
+               "expected a JSON object {\"tokens\": [...], \"num_draft_tokens\": ...}")
     elif kind == "extra_forbidden":
-        msg = f"unknown field (allowed: {', '.join(REQUEST_FIELDS)})"
+        msg = f"unknown field (allowed: {', '.join(TREE_FIELDS if in_tree else REQUEST_FIELDS)})"
     elif kind == "missing":
         msg = "field required"
     elif kind == "too_long" and loc == ["tokens"]:
@@ -135,13 +167,31 @@ def to_openapi30(node: Any) -> Any:
     return node
 
 
+def inline_refs(schema: dict) -> dict:
+    """A JSON Schema with its `$defs` (pydantic's nested models, e.g. `tree`) written in place of their `$ref`s: the
+    /draft body sits inside the OpenAPI document, where `#/$defs/...` would not resolve."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/"):
+            return walk({**defs[ref.removeprefix("#/$defs/")], **{k: v for k, v in node.items() if k != "$ref"}})
+        return {k: walk(v) for k, v in node.items()}
+
+    return walk(schema)
+
+
 def openapi_document(app, limits: Limits, request: type[BaseModel]) -> dict:
     """The app's OpenAPI document as 3.0.3, with the /draft request body of these limits."""
     from fastapi.openapi.utils import get_openapi
 
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     doc["openapi"] = "3.0.3"
-    body = request.model_json_schema()
+    body = inline_refs(request.model_json_schema())
     body.pop("title", None)
     doc["paths"]["/draft"]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
         "schema": body}}}

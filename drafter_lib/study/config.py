@@ -8,7 +8,7 @@ stage runs, so a bad value fails in the first seconds with a message that names 
       train    TrainConfig    03_train_qat: train.py's own dataclass (the study fills its paths and model fields)
       quant    QuantSection   the int4 / int8 scheme that QAT trains with and 04_pack packs
       pack     PackConfig     04_pack: the copy policy shipped with the pack, which checkpoint, publishing to model/
-      eval     EvalConfig     05_eval: held-out prompts, k, the end-to-end check
+      eval     EvalConfig     05_eval: held-out prompts, k, draft-tree budgets, the end-to-end check
 
 Presets: smoke (CI-sized, a tiny random teacher), default (SmolLM2-135M-Instruct, offline, ~1 h on 2 CPU cores),
 full (Qwen3-8B teacher, Qwen3-1.7B drafter, pinned hub revisions; GPU + hub).
@@ -29,6 +29,12 @@ from typing import Any, Union
 
 from drafter_lib.common.files import read_json, to_jsonable, write_json
 from drafter_lib.common.overrides import ConfigError, parse_set  # noqa: F401 - parse_set: part of the config API
+from drafter_lib.evaluation.drafters import (
+    DEFAULT_TREE_BUDGETS,
+    DEFAULT_TREE_SOURCES,
+    check_tree_budgets,
+    check_tree_sources,
+)
 from drafter_lib.packed.copy_policy import CopyPolicy
 from drafter_lib.study import config_checks
 from drafter_lib.train.trainer import TrainConfig
@@ -124,6 +130,11 @@ class EvalConfig:
     group_by: str = "category"  # category | source
     # repo-relative prompt files (project format or question.jsonl) or "rag:SEED[:N]"
     heldout_files: list[str] = field(default_factory=lambda: list(DEFAULT_HELDOUT_FILES))
+    # rows "<source> tree N": draft trees of N nodes (depth <= k) of the engine of each chain row in tree_sources, in
+    # the same simulation ([]: none; left out while the engine drafts no trees). By default the pack as shipped only
+    # (evaluation/drafters.py: a tree row costs several chain rows); add "packed" for the model's trees alone
+    tree_budgets: list[int] = field(default_factory=lambda: list(DEFAULT_TREE_BUDGETS))
+    tree_sources: list[str] = field(default_factory=lambda: list(DEFAULT_TREE_SOURCES))
 
 
 def _default_train() -> TrainConfig:
@@ -213,7 +224,8 @@ def _full() -> StudyConfig:
         data=DataConfig(synthetic_n=20000, total_prompts=40000, heldout_frac=0.02, max_prompt_tokens=1024),
         # vLLM writes the teacher's answers (batch_size: sequences it decodes at once, max_num_seqs); one GPU holds
         # Qwen3-8B in bf16, tensor_parallel_size spreads it over more. Training: DDP over num_processes GPUs in bf16
-        # (`--set train.num_processes=N` on an N-GPU machine; the global batch grows with it). docs/scale_out.md
+        # (`--set train.num_processes=N` on an N-GPU machine; the global batch grows with it; train.distributed=fsdp
+        # shards a drafter too large for one GPU). docs/scale_out.md
         teacher=TeacherConfig(max_new_tokens=512, batch_size=256, backend="vllm", tensor_parallel_size=1),
         train=TrainConfig(steps=4000, qat_steps=800, batch_size=8, grad_accum=4, max_seq_len=1536, lr=2e-5,
                           qat_lr=5e-6, warmup_steps=100, qat_warmup_steps=20, eval_every=250, ckpt_every=250,
@@ -359,8 +371,17 @@ def build_config(preset_name: str = "default", overrides: dict | None = None, ch
 def validate(cfg: StudyConfig, check_models: bool = True) -> StudyConfig:
     """Every value and combination a stage would reject later; check_models also reads the drafter's sizes from
     its HF config (no weights) to check keep_layers and the quant group sizes against them."""
+    _check_eval_trees(cfg.eval)
     config_checks.check(cfg, check_models)
     return cfg
+
+
+def _check_eval_trees(e: EvalConfig) -> None:
+    try:
+        check_tree_budgets(e.tree_budgets, "eval.tree_budgets")
+        check_tree_sources(e.tree_sources, "eval.tree_sources")
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 # ---------------------------------------------------------------------------------------------- the run's copy

@@ -327,7 +327,8 @@ def evaluate_run(cfg: config.StudyConfig, run: RunLayout) -> dict:
     baselines = drafters.standard_baselines(run.model_dir, base=base, fp=drafters.load_hf_checkpoint(run.best_distill))
     metrics = evaluate.run_evaluation(target, tok, records, baselines, k=e.k, max_new_tokens=e.max_new_tokens,
                                 group_by=e.group_by, e2e_prompts=e.e2e_prompts, e2e_k=e.e2e_k,
-                                references_path=run.references, limit=e.limit,
+                                references_path=run.references, limit=e.limit, tree_budgets=e.tree_budgets,
+                                tree_sources=e.tree_sources,
                                 # the pack as shipped, with the threshold it recommends
                                 e2e_drafter=drafters.engine_from_dir(run.model_dir, min_confidence=RECOMMENDED))
     metrics["target"] = model_label(cfg.study.teacher)
@@ -339,4 +340,6 @@ def evaluate_run(cfg: config.StudyConfig, run: RunLayout) -> dict:
     print(evaluate.baselines_table(metrics["baselines"], e.k, metrics["prompts_per_category"]))
     print("\nmean acceptance length, 95 % bootstrap interval over prompts:\n" + evaluate.interval_table(metrics))
     print("\nby origin of the prompts:\n" + evaluate.origin_table(metrics["acceptance_by_origin"]))
+    if e.tree_budgets:
+        print("\ndraft trees (depth <= k), against their chain on the same prompts:\n" + evaluate.tree_table(metrics))
     return metrics

@@ -247,6 +247,10 @@ def test_cached_step_compiled_where_measured_faster(cache_dir, monkeypatch):
     for s, n in enumerate((3, 17, 40)):
         p = rand_tokens(n, 80 + s)
         assert compiled.draft(p, 12) == eager.draft(p, 12)
+        # a draft tree's levels run the compiled step under their explicit tree mask
+        a, b = compiled.draft_tree(p, 24, max_depth=6), eager.draft_tree(p, 24, max_depth=6)
+        assert (a.tokens, a.parents) == (b.tokens, b.parents) and len(a) == 24
+        assert a.probs == pytest.approx(b.probs, rel=1e-4, abs=1e-6)
     check_same_draft_whatever_cache_and_batch(lambda: make_engine(m, dtype="auto"))
 
 

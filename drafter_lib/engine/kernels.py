@@ -232,8 +232,9 @@ def _not_on_model(entries) -> list[bool]:
 
 @torch.inference_mode()
 def _warm_step(model, step, context: int = 8) -> torch.Generator:
-    """Set `step` on the model and trace its four graphs (one row or several, one token or several) on throwaway
-    caches, with positions laid out as the engine's (contiguous: another stride would trace again at run time)."""
+    """Set `step` on the model and trace its graphs (one row or several, one token or several; and a draft tree's
+    level, one row under an explicit mask) on throwaway caches, with positions laid out as the engine's
+    (contiguous: another stride would trace again at run time)."""
     g = torch.Generator().manual_seed(0)
     model.compiled_step = step
     for b in (1, 2):
@@ -241,6 +242,12 @@ def _warm_step(model, step, context: int = 8) -> torch.Generator:
         for t in (1, 2):
             model.hidden(torch.randint(0, model.config.vocab_size, (b, t), generator=g),
                          torch.arange(context, context + t).repeat(b, 1), cache)
+    cache = model.new_cache(1, context + 3)
+    for t in (1, 2):
+        slots = torch.arange(context, context + t)[None]
+        mask = torch.ones(1, 1, t, context + t, dtype=torch.bool)
+        model.hidden(torch.randint(0, model.config.vocab_size, (1, t), generator=g), torch.full((1, t), context),
+                     cache, slots=slots, mask=mask)
     return g
 
 

@@ -370,6 +370,11 @@ class Transformer(nn.Module):
                 raise ValueError(f"slot {length - 1} exceeds KV cache capacity {cache.capacity}")
             if mask.shape != (B, 1, T, length):
                 raise ValueError(f"mask {tuple(mask.shape)} must be {(B, 1, T, length)}")
+            if self.compiled_step is not None and T <= COMPILED_MAX_T:  # the static shape reads every slot
+                full = torch.zeros(B, 1, T, cache.capacity, dtype=torch.bool)
+                full[..., :length] = mask
+                x = self.compiled_step(x, cos, sin, slots, cache, full)
+                return x[:, -1:] if last_only else x
             for layer in m.layers:
                 x = layer(x, cos, sin, slots, mask, cache, length)
             return m.norm(x[:, -1:] if last_only else x)
@@ -403,12 +408,14 @@ class Transformer(nn.Module):
     compiled_step = None  # a compiled `cached_step` that hidden() runs for short cached steps (the engine's)
 
     def cached_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                    cache: KVCache) -> torch.Tensor:
+                    cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
         """The layers and final norm of a cached step over embedded inputs x [B,T,H] (hidden()'s math), written
         so that no shape depends on the positions' values, for torch.compile (one graph serves every context
         length and cache capacity): the new K/V are written at `positions` by an index_put, and each query attends
-        over the cache's whole capacity under the key_pos <= query_pos mask."""
-        mask = _key_mask(positions, cache.capacity)  # [B,1,T,capacity]
+        over the cache's whole capacity under the key_pos <= query_pos mask, or under `mask` [B,1,T,capacity]
+        (tree attention: `positions` are then the slots written)."""
+        if mask is None:
+            mask = _key_mask(positions, cache.capacity)  # [B,1,T,capacity]
         for layer in self.model.layers:
             x = layer(x, cos, sin, positions, mask, cache, None)
         return self.model.norm(x)

@@ -80,6 +80,7 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tree-branch", type=int, default=None, help="tree drafting: candidates per expanded node "
                     "(default: the engine's)")
     ap.add_argument("--tree-depth", type=int, default=16, help="tree drafting: the deepest node")
+    ap.add_argument("--plot", default=None, help="with --tree-budgets: plot speed-up and MAL against the budget here")
     ap.add_argument("--no-assisted", action="store_true", help="skip transformers assisted generation")
     ap.add_argument("--json", default=None, help="also write the rows here")
     return ap
@@ -417,6 +418,10 @@ def main(argv=None) -> list[dict]:
             client.close()
             proc.terminate()
             proc.wait(30)
+    if args.plot and args.tree_budgets:
+        from drafter_lib.common.plots import tree_budget_speed
+
+        tree_budget_speed([r for r in rows if r["target"] in targets], args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k not in ("outputs", "passes")}
                                                for r in rows], indent=1))

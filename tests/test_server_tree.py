@@ -112,7 +112,6 @@ def test_chain_answer_is_unchanged_without_tree(http, engine):
     ({"budget": 65}, "tree.budget"),
     ({"budget": "4"}, "tree.budget"),
     ({"budget": 4.0}, "tree.budget"),
-    ({}, "tree.budget: field required"),
     ({"budget": 4, "max_depth": 0}, "tree.max_depth"),
     ({"budget": 4, "max_depth": 65}, "tree.max_depth"),
     ({"budget": 4, "branch": 0}, "tree.branch"),
@@ -127,6 +126,14 @@ def test_bad_tree_fields_get_422_naming_them(http, tree, expected):
     assert r.status_code == 422, r.text
     assert expected in r.json()["error"]
     assert http.post("/draft", json={"tokens": [1, 2, 3], "tree": {"budget": 4}}).status_code == 200
+
+
+def test_tree_budget_defaults_to_the_measured_one(http, engine):
+    tokens = _prompt(7, 20)
+    body = http.post("/draft", json={"tokens": tokens, "tree": {}}).json()
+    ref = engine.draft_tree(tokens, 8, 16)
+    assert len(body["tree"]["tokens"]) == len(ref) == 8
+    assert (body["tree"]["tokens"], body["tree"]["parents"]) == (list(ref.tokens), list(ref.parents))
 
 
 def test_clients_are_tree_drafters(server, engine):
@@ -170,11 +177,11 @@ def test_trees_share_the_queue_bounds_and_run_alone():
     from drafter_lib.decoding.tree import DraftTree
     from drafter_lib.engine import tree_draft
     from drafter_lib.serve.batching import MicroBatcher, Overloaded
-    from drafter_lib.serve.schema import DEFAULT_TREE_BRANCH, MAX_TREE_BRANCH, MAX_TREE_BUDGET
+    from drafter_lib.serve.schema import DEFAULT_TREE_BRANCH, DEFAULT_TREE_BUDGET, MAX_TREE_BRANCH, MAX_TREE_BUDGET
 
     # the schema's bounds are the engine's
-    assert (MAX_TREE_BUDGET, MAX_TREE_BRANCH, DEFAULT_TREE_BRANCH) == (
-        tree_draft.MAX_TREE_BUDGET, tree_draft.MAX_BRANCH, tree_draft.DEFAULT_BRANCH)
+    assert (MAX_TREE_BUDGET, MAX_TREE_BRANCH, DEFAULT_TREE_BRANCH, DEFAULT_TREE_BUDGET) == (
+        tree_draft.MAX_TREE_BUDGET, tree_draft.MAX_BRANCH, tree_draft.DEFAULT_BRANCH, tree_draft.DEFAULT_TREE_BUDGET)
     calls = []
 
     def run_batch(token_lists, k):

@@ -202,7 +202,7 @@ def test_eval_tree_config_keys(overrides, msg):
     from drafter_lib.study import config
 
     e = config.build_config("smoke", check_models=False).eval
-    assert e.tree_budgets == [16, 32] and e.tree_sources == ["packed + copy prior"]
+    assert e.tree_budgets == [8, 16] and e.tree_sources == ["packed + copy prior"]
     e = config.build_config("smoke", {"eval.tree_budgets": [], "eval.tree_sources": list(TREE_SOURCES)},
                             check_models=False).eval
     assert e.tree_budgets == [] and e.tree_sources == list(TREE_SOURCES)
@@ -371,7 +371,7 @@ def test_cli_without_engine_trees_leaves_the_rows_out(tmp_path, tiny_target, cap
              "--max-new-tokens", "8", "--k", "4", "--e2e-prompts", "0", "--out", str(out)])  # default budgets
     m = json.loads(out.read_text())
     assert m["trees"] == {} and list(m["baselines"]) == ["packed", "n-gram lookup", "packed + copy prior"]
-    assert m["tree_budgets"] == [16, 32] and len(m["trees_left_out"]) == 1 and m["trees"] == {}
+    assert m["tree_budgets"] == [8, 16] and len(m["trees_left_out"]) == 1 and m["trees"] == {}
     printed = capsys.readouterr().out  # the default source: the pack as shipped
     assert "tree rows left out: packed + copy prior: DraftEngine has no draft_tree" in printed  # logged up front
     assert "\nleft out: packed + copy prior: DraftEngine has no draft_tree" in printed  # and in the tree table

@@ -223,3 +223,30 @@ def tree_budget_acceptance(curves: Mapping[str, Sequence[Mapping]], path,
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=7)
     return save_figure(fig, path)
+
+
+def tree_budget_speed(rows: Sequence[Mapping], path, title: str = "Draft trees end to end") -> Path:
+    """Speed-up over plain greedy decoding and tokens per target step against the tree's node budget, one line per
+    target; each target's chain rows (the pack's dynamic draft) as dashed horizontal lines. `rows`: the
+    bench/speculative.py rows ("target", "drafter" ending in "tree N" for trees, "speedup", "mal")."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, target in enumerate(dict.fromkeys(r["target"] for r in rows)):
+        mine = [r for r in rows if r["target"] == target and r["drafter"] != "plain greedy"]
+        trees = sorted((int(r["drafter"].rsplit(" ", 1)[1]), r) for r in mine if " tree " in r["drafter"])
+        color = f"C{i}"
+        for ax, key in zip(axes, ("speedup", "mal")):
+            if trees:
+                ax.plot([b for b, _ in trees], [r[key] for _, r in trees], "o-", color=color, label=f"{target}: tree")
+            for j, r in enumerate(r for r in mine if " tree " not in r["drafter"]):
+                ax.axhline(r[key], color=color, ls="--", lw=1, label=f"{target}: chain ({r['drafter']})" if j < 1
+                           else None)
+    for ax, ylabel in zip(axes, ("speed-up over plain greedy", "tokens per target step")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tree budget (nodes per target step)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].legend(fontsize=7, loc="lower left")
+    axes[0].margins(y=0.1)
+    fig.suptitle(title)
+    return save_figure(fig, path)

@@ -50,7 +50,14 @@ from drafter_lib.engine.int8_head_logits import hold_head
 from drafter_lib.engine.int8w_storage import hold_int8w_rows
 from drafter_lib.engine.kernels import hold_measured, hold_step
 from drafter_lib.engine.prefix_cache import PrefixCache
-from drafter_lib.engine.tree_draft import DEFAULT_BRANCH, DEFAULT_MAX_DEPTH, TreeDraft, check_tree_request, grow
+from drafter_lib.engine.tree_draft import (
+    DEFAULT_BRANCH,
+    DEFAULT_MAX_DEPTH,
+    DEFAULT_TREE_BUDGET,
+    TreeDraft,
+    check_tree_request,
+    grow,
+)
 from drafter_lib.engine.weight_formats import head_argmax, hold_weights, read_int8_rows, weight_bytes
 from drafter_lib.model.transformer import KVCache, ModelConfig, Transformer
 from drafter_lib.packed.config_keys import (
@@ -210,7 +217,7 @@ class DraftEngine:
                     out[i] = Draft(r.draft[:k], r.cached, None if r.probs is None else r.probs[:k])
         return out
 
-    def draft_tree(self, tokens: Sequence[int], budget: int = 16, max_depth: int = DEFAULT_MAX_DEPTH,
+    def draft_tree(self, tokens: Sequence[int], budget: int = DEFAULT_TREE_BUDGET, max_depth: int = DEFAULT_MAX_DEPTH,
                    branch: int = DEFAULT_BRANCH) -> DraftTree:
         """A draft tree of at most `budget` nodes and `max_depth` levels continuing `tokens`: the drafter branches
         into its top `branch` candidates where it is unsure and keeps the nodes of highest path probability
@@ -219,7 +226,7 @@ class DraftEngine:
         return self.draft_tree_result(tokens, budget, max_depth, branch).tree
 
     @torch.inference_mode()
-    def draft_tree_result(self, tokens: Sequence[int], budget: int = 16, max_depth: int = DEFAULT_MAX_DEPTH,
+    def draft_tree_result(self, tokens: Sequence[int], budget: int = DEFAULT_TREE_BUDGET, max_depth: int = DEFAULT_MAX_DEPTH,
                           branch: int = DEFAULT_BRANCH) -> TreeDraft:
         """draft_tree, plus the tree's first chain (with each token's probability) and the prefix-cache use."""
         budget, max_depth, branch = check_tree_request(budget, max_depth, branch)

@@ -52,11 +52,14 @@ from drafter_lib.engine.weight_formats import head_argmax
 from drafter_lib.model.kv_cache import KVCache
 
 __all__ = ["TreeDraft", "grow", "top_children", "check_tree_request", "MAX_TREE_BUDGET", "MAX_BRANCH",
-           "DEFAULT_BRANCH", "DEFAULT_MAX_DEPTH"]
+           "DEFAULT_BRANCH", "DEFAULT_TREE_BUDGET", "DEFAULT_MAX_DEPTH"]
 
 MAX_TREE_BUDGET = 64  # nodes per tree: the target scores them all in one pass (the server's bound on a chain, too)
 MAX_BRANCH = 16  # candidates per expanded node and expanded nodes per level
 DEFAULT_BRANCH = 4
+# the budget a tree request gets unless it names one: the fastest end to end against the transformers fp32 target
+# on a 2-core AVX-512 CPU, where a target pass over more tokens costs more (docs/studies/trees.md)
+DEFAULT_TREE_BUDGET = 8
 DEFAULT_MAX_DEPTH = 16
 
 

@@ -91,8 +91,9 @@ def standard_baselines(model_dir: str | Path | None = None, base: tuple[dict, di
 # engines draft them (eval.tree_sources, --tree-sources; TREE_SOURCES: the engine rows). By default the pack as
 # shipped (copy prior on) only: a tree is drafted whole, a forward pass per level, so a tree row of the shipped pack
 # cost 4-8x its chain row (grown drafts) on 12 MT-bench prompts; two such rows keep 05_eval near its ~8 min. "packed"
-# (the model alone) isolates what the tree itself adds. The budget of real decoding is chosen by end-to-end speed.
-DEFAULT_TREE_BUDGETS = (16, 32)
+# (the model alone) isolates what the tree itself adds. 8: the budget fastest end to end on a CPU target (the
+# engine's and the server's default, docs/studies/trees.md); 16: what a larger one still adds.
+DEFAULT_TREE_BUDGETS = (8, 16)
 TREE_SOURCES = ("pruned base (untrained)", "distilled fp", "packed", "packed + copy prior")
 DEFAULT_TREE_SOURCES = ("packed + copy prior",)
 

@@ -4,7 +4,7 @@ The request model is built when the app is created (the model is loaded first), 
 bounds: ids are integers in [0, vocab_size), `tokens` has 1..max_tokens items, `num_draft_tokens` is in 1..max_draft;
 optional `min_confidence` (a number in [0, 1], or null = the server's default: off unless the operator set one) and
 `return_probs` (a boolean, default false). max_tokens = max_context - max_draft, so every request the schema admits fits
-the model's context (JSON Schema cannot bound the sum of two fields). Optional `tree` ({"budget": 1..64, "max_depth":
+the model's context (JSON Schema cannot bound the sum of two fields). Optional `tree` ({"budget": 1..64, default 8, "max_depth":
 1..max_draft or null = num_draft_tokens, "branch": 1..16, default 4}; null = absent) asks for a draft tree instead of
 a chain; every field combination the schema admits is served (a tree ignores `min_confidence`).
 
@@ -24,11 +24,12 @@ DEFAULT_DRAFT_TOKENS = 16
 MAX_DRAFT_TOKENS = 64  # a draft longer than this is almost never accepted in full; bounds the work per request
 REQUEST_FIELDS = ("tokens", "num_draft_tokens", "min_confidence", "return_probs", "tree")
 TREE_FIELDS = ("budget", "max_depth", "branch")
-# the engine's tree bounds (engine/tree_draft.py: MAX_TREE_BUDGET, MAX_BRANCH, DEFAULT_BRANCH), kept here so that
-# importing the app does not import the engine
+# the engine's tree bounds and defaults (engine/tree_draft.py: MAX_TREE_BUDGET, MAX_BRANCH, DEFAULT_BRANCH,
+# DEFAULT_TREE_BUDGET), kept here so that importing the app does not import the engine
 MAX_TREE_BUDGET = 64
 MAX_TREE_BRANCH = 16
 DEFAULT_TREE_BRANCH = 4
+DEFAULT_TREE_BUDGET = 8
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,9 @@ def request_model(limits: Limits) -> type[BaseModel]:
     tree = create_model(
         "TreeRequest",
         __config__=ConfigDict(extra="forbid"),
-        budget=(StrictInt, Field(..., ge=1, le=MAX_TREE_BUDGET, description="Most nodes the tree holds.")),
+        budget=(StrictInt, Field(DEFAULT_TREE_BUDGET, ge=1, le=MAX_TREE_BUDGET,
+                                  description="Most nodes the tree holds (default: the budget fastest end to end "
+                                              "on a CPU target, docs/studies/trees.md).")),
         max_depth=(StrictInt | None, Field(None, ge=1, le=limits.max_draft,
                                            description="Most levels; absent or null: num_draft_tokens.")),
         branch=(StrictInt, Field(DEFAULT_TREE_BRANCH, ge=1, le=MAX_TREE_BRANCH,

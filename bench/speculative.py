@@ -184,8 +184,8 @@ def draft_rows(name: str, drafter, args, recommended: float | None) -> dict:
 
 
 def run_interleaved(target, prompts, max_new, stop, configs: dict) -> dict:
-    """Every config (name -> (drafter or None for plain greedy, k[, tree budget])) on every prompt, prompt by prompt and in a
-    rotating order, so that a drift of the machine's speed during the run weighs on every row alike: the ratios
+    """Every config (name -> (drafter or None for plain greedy, k[, tree budget])) on every prompt, prompt by prompt
+    and in a rotating order, so that a drift of the machine's speed during the run weighs on every row alike: the ratios
     are side by side per prompt, not one row's minutes against another's."""
     rows = {name: {"tokens": 0, "seconds": 0.0, "draft_s": 0.0, "verify_s": 0.0, "steps": 0, "drafted": 0,
                    "outputs": [], "passes": []} for name in configs}

@@ -4,11 +4,11 @@ import random
 
 import pytest
 import torch
+from test_speculative import VOCAB, tiny_hf_model
 
 from drafter_lib.decoding.speculative import HFTarget, NativeTarget, greedy_decode, speculative_generate
 from drafter_lib.decoding.tree import DraftTree, accept_tree, attention_mask, tree_accepted_length
 from drafter_lib.model.transformer import Transformer
-from test_speculative import VOCAB, tiny_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,12 @@ def test_tree_decoding_equals_plain_greedy(targets, which):
         ref = greedy_decode(target, prompt, 24)
         full = prompt + ref
 
-        class Drafter:  # random trees whose first branch holds the true continuation up to a random depth
+        class Drafter:  # random trees with a branch holding the true continuation up to a random depth
+            def __init__(self, full):
+                self.full = full
+
             def draft_tree(self, toks, budget, max_depth):
+                full = self.full
                 n = len(toks)
                 good = full[n:n + rng.randrange(0, max_depth + 1)]
                 # a decoy first, so the accepted path sits at later slots and the cache must be compacted
@@ -95,7 +99,7 @@ def test_tree_decoding_equals_plain_greedy(targets, which):
                         parents.append(p)
                 return DraftTree(tuple(tokens), tuple(parents))
 
-        out = speculative_generate(target, prompt, 24, Drafter(), k=6, tree_budget=10)
+        out = speculative_generate(target, prompt, 24, Drafter(full), k=6, tree_budget=10)
         assert out.tokens == ref
         assert out.mean_acceptance_length > 1.5  # the planted branches were accepted
         assert all(d <= 10 for d in out.draft_lengths)

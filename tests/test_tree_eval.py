@@ -317,16 +317,21 @@ def _tiny_pack(model, out_dir):
     return drafter
 
 
-def test_cli_writes_tree_rows(tmp_path, tiny_target, capsys, engine_trees):
+def _cli_files(tmp_path, tiny_target, questions: list[dict]):
+    """(target dir, question file, metrics path) for specdraft-eval on the tiny target and a tiny pack of it."""
     model, tok = tiny_target
     target_dir = tmp_path / "target"
     model.save_pretrained(target_dir)
     tok.save_pretrained(target_dir)
     _tiny_pack(model, tmp_path / "model")
     q = tmp_path / "question.jsonl"
-    q.write_text("".join(json.dumps({"question_id": i, "category": c, "turns": [f"{c} number {i} {c}?"]}) + "\n"
-                         for i, c in enumerate(["a", "b", "c"])))
-    out = tmp_path / "m.json"
+    q.write_text("".join(json.dumps(row) + "\n" for row in questions))
+    return target_dir, q, tmp_path / "m.json"
+
+
+def test_cli_writes_tree_rows(tmp_path, tiny_target, capsys, engine_trees):
+    target_dir, q, out = _cli_files(tmp_path, tiny_target, [
+        {"question_id": i, "category": c, "turns": [f"{c} number {i} {c}?"]} for i, c in enumerate(["a", "b", "c"])])
     ev.main(["--model", str(tmp_path / "model"), "--prompts", str(q), "--target", str(target_dir),
              "--max-new-tokens", "12", "--k", "4", "--e2e-prompts", "0", "--out", str(out),
              "--plots", str(tmp_path / "plots"), "--tree-budgets", "4", "8", "--tree-sources", "packed",
@@ -359,14 +364,8 @@ def test_cli_without_engine_trees_leaves_the_rows_out(tmp_path, tiny_target, cap
     from drafter_lib.engine.draft_engine import DraftEngine
 
     monkeypatch.delattr(DraftEngine, "draft_tree", raising=False)
-    model, tok = tiny_target
-    target_dir = tmp_path / "target"
-    model.save_pretrained(target_dir)
-    tok.save_pretrained(target_dir)
-    _tiny_pack(model, tmp_path / "model")
-    q = tmp_path / "question.jsonl"
-    q.write_text(json.dumps({"question_id": 1, "category": "a", "turns": ["hello there?"]}) + "\n")
-    out = tmp_path / "m.json"
+    target_dir, q, out = _cli_files(tmp_path, tiny_target,
+                                    [{"question_id": 1, "category": "a", "turns": ["hello there?"]}])
     ev.main(["--model", str(tmp_path / "model"), "--prompts", str(q), "--target", str(target_dir),
              "--max-new-tokens", "8", "--k", "4", "--e2e-prompts", "0", "--out", str(out)])  # default budgets
     m = json.loads(out.read_text())

@@ -226,7 +226,8 @@ class DraftEngine:
         return self.draft_tree_result(tokens, budget, max_depth, branch).tree
 
     @torch.inference_mode()
-    def draft_tree_result(self, tokens: Sequence[int], budget: int = DEFAULT_TREE_BUDGET, max_depth: int = DEFAULT_MAX_DEPTH,
+    def draft_tree_result(self, tokens: Sequence[int], budget: int = DEFAULT_TREE_BUDGET,
+                          max_depth: int = DEFAULT_MAX_DEPTH,
                           branch: int = DEFAULT_BRANCH) -> TreeDraft:
         """draft_tree, plus the tree's first chain (with each token's probability) and the prefix-cache use."""
         budget, max_depth, branch = check_tree_request(budget, max_depth, branch)

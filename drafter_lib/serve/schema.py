@@ -4,9 +4,9 @@ The request model is built when the app is created (the model is loaded first), 
 bounds: ids are integers in [0, vocab_size), `tokens` has 1..max_tokens items, `num_draft_tokens` is in 1..max_draft;
 optional `min_confidence` (a number in [0, 1], or null = the server's default: off unless the operator set one) and
 `return_probs` (a boolean, default false). max_tokens = max_context - max_draft, so every request the schema admits fits
-the model's context (JSON Schema cannot bound the sum of two fields). Optional `tree` ({"budget": 1..64, default 8, "max_depth":
-1..max_draft or null = num_draft_tokens, "branch": 1..16, default 4}; null = absent) asks for a draft tree instead of
-a chain; every field combination the schema admits is served (a tree ignores `min_confidence`).
+the model's context (JSON Schema cannot bound the sum of two fields). Optional `tree` ({"budget": 1..64, default 8,
+"max_depth": 1..max_draft or null = num_draft_tokens, "branch": 1..16, default 4}; null = absent) asks for a draft tree
+instead of a chain; every field combination the schema admits is served (a tree ignores `min_confidence`).
 
 The document is OpenAPI 3.0.3, whose schemas follow JSON Schema draft 4 (Wright-00): an integer there is a
 number without a fraction part, so `13.0` is not an integer id and the server's 422 for it is what the schema

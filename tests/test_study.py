@@ -66,8 +66,15 @@ def test_smoke_metrics_make_sense(smoke_run):
                 "accepted_length_hist", "end_to_end"):
         assert key in m, key
     assert m["lossless"] is True
+    # the chain rows, then the shipped pack's draft trees at the eval's default budgets (eval.tree_budgets)
+    trees = {f"packed + copy prior tree {n}" for n in m["tree_budgets"]}
+    assert m["tree_budgets"] == [8, 16] and set(m["trees"]) == trees
     assert set(m["baselines"]) == {"pruned base (untrained)", "distilled fp", "packed", "n-gram lookup",
-                                   "packed + copy prior"}
+                                   "packed + copy prior"} | trees
+    for name in trees:
+        t = m["trees"][name]
+        assert t["chain"] == "packed + copy prior" and 0 < t["mean_nodes"] <= t["budget"] and "vs_chain" in t
+        assert t["mal"] == m["baselines"][name]["mean_acceptance_length"]
     for name, r in m["baselines"].items():
         assert 1.0 <= r["mean_acceptance_length"] <= k + 1, name
         assert len(r["per_position_acceptance"]) == k

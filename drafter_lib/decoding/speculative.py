@@ -26,7 +26,7 @@ import torch
 
 from drafter_lib.common.checks import check_token_ids
 from drafter_lib.decoding.target_matmul import hold_linears
-from drafter_lib.decoding.tree import DraftTree, accept_tree, attention_mask, verify_positions
+from drafter_lib.decoding.tree import DraftTree, accept_tree, attention_mask, check_bounds, verify_positions
 from drafter_lib.model.draft_vocab import full_vocab_logits
 from drafter_lib.model.transformer import KVCache, Transformer
 
@@ -158,13 +158,9 @@ class HFTarget:
         """Append `new_tokens` (at least one) and every node of `tree` to the cache in one pass under a 4D mask
         (a node attends to the context and its ancestors); float logits [1 + N, V]: row 0 after the last new
         token, row i + 1 after node i. Then `commit_tree` keeps the accepted path."""
-        new_tokens = list(new_tokens)
-        if not new_tokens:
-            raise ValueError("score_tree needs at least one new token (the row before the tree's root)")
-        if len(new_tokens) > 1:  # the prompt or a long tail: a plain causal pass first
-            self.score(new_tokens[:-1], keep=1)
+        last = _before_tree(self, new_tokens)
         start = self.cached_len
-        ids = torch.tensor([new_tokens[-1:] + list(tree.tokens)], dtype=torch.long, device=self.device)
+        ids = torch.tensor([[last, *tree.tokens]], dtype=torch.long, device=self.device)
         pos = verify_positions(start, 1, tree)[None].to(self.device)
         dtype = next(self.model.parameters()).dtype
         allowed = attention_mask(start, 1, tree)[None, None].to(self.device)
@@ -194,6 +190,17 @@ class HFTarget:
 
 
 _FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+def _before_tree(target, new_tokens: Sequence[int]) -> int:
+    """A tree pass's first row: the last of the new tokens. The others (a prompt, a long tail) go in first as a
+    plain causal pass."""
+    new_tokens = list(new_tokens)
+    if not new_tokens:
+        raise ValueError("score_tree needs at least one new token (the row before the tree's root)")
+    if len(new_tokens) > 1:
+        target.score(new_tokens[:-1], keep=1)
+    return new_tokens[-1]
 
 
 def _installed(packed):
@@ -238,10 +245,7 @@ class NativeTarget:
         start, total = self.cached_len, len(new_tokens)
         end = start + total
         keep = total if keep is None else min(keep, total)
-        if self.cache is None:
-            self.cache = self.model.new_cache(1, max(end, 256))
-        elif end > self.cache.capacity:
-            self.cache.grow(max(end, 2 * self.cache.capacity))  # amortise the copy over many steps
+        self._room(end)
         ids = torch.tensor(list(new_tokens), dtype=torch.long)[None]
         kept = []
         with _installed(self.packed):
@@ -260,17 +264,10 @@ class NativeTarget:
     def score_tree(self, new_tokens: Sequence[int], tree: DraftTree) -> torch.Tensor:
         """HFTarget.score_tree's contract: the new tokens, then every node of `tree` at slots after them, in one
         tree-attention pass; logits [1 + N, V]."""
-        new_tokens = list(new_tokens)
-        if not new_tokens:
-            raise ValueError("score_tree needs at least one new token (the row before the tree's root)")
-        if len(new_tokens) > 1:
-            self.score(new_tokens[:-1], keep=1)
+        last = _before_tree(self, new_tokens)
         start, n = self.cached_len, len(tree) + 1
-        if self.cache is None:
-            self.cache = self.model.new_cache(1, max(start + n, 256))
-        elif start + n > self.cache.capacity:
-            self.cache.grow(max(start + n, 2 * self.cache.capacity))
-        ids = torch.tensor([new_tokens[-1:] + list(tree.tokens)], dtype=torch.long)
+        self._room(start + n)
+        ids = torch.tensor([[last, *tree.tokens]], dtype=torch.long)
         pos = verify_positions(start, 1, tree)[None]
         slots = torch.arange(start, start + n)[None]
         mask = attention_mask(start, 1, tree)[None, None]
@@ -284,6 +281,13 @@ class NativeTarget:
     def commit_tree(self, base: int, path: Sequence[int]) -> None:
         self.cache.compact(0, base, [base + i for i in path])
         self.cached_len = self.cache.lengths[0] = base + len(path)
+
+    def _room(self, end: int) -> None:
+        """A cache that holds `end` tokens."""
+        if self.cache is None:
+            self.cache = self.model.new_cache(1, max(end, 256))
+        elif end > self.cache.capacity:
+            self.cache.grow(max(end, 2 * self.cache.capacity))  # amortise the copy over many steps
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.cached_len:
@@ -394,9 +398,7 @@ def _tree_step(target: Target, drafter, seq: list[int], budget: int, max_depth: 
     tree = drafter.draft_tree(list(seq), budget, max_depth)
     out.draft_seconds += time.perf_counter() - td
     check_token_ids(list(tree.tokens), target.vocab_size, "draft tree")
-    if len(tree) > budget or tree.depth > max_depth:
-        raise ValueError(f"the drafter's tree has {len(tree)} nodes and depth {tree.depth}; asked for at most "
-                         f"{budget} nodes and depth {max_depth}")
+    check_bounds(tree, budget, max_depth)
     tv = time.perf_counter()
     logits = target.score_tree(seq[target.cached_len:], tree)
     path, bonus = accept_tree(tree, logits.argmax(-1).tolist())

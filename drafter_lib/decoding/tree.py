@@ -102,6 +102,14 @@ def check_tree(tokens: Sequence[int], parents: Sequence[int], probs: Sequence[fl
         seen.add((p, t))
 
 
+def check_bounds(tree: DraftTree, budget: int, max_depth: int) -> DraftTree:
+    """`tree` if a drafter kept to what it was asked for, else a ValueError saying what it returned."""
+    if len(tree) > budget or tree.depth > max_depth:
+        raise ValueError(f"the drafter's tree has {len(tree)} nodes and depth {tree.depth}; asked for at most "
+                         f"{budget} nodes and depth {max_depth}")
+    return tree
+
+
 def accept_tree(tree: DraftTree, choices: Sequence[int]) -> tuple[list[int], int]:
     """The greedy verification rule on a tree. `choices[0]` is the target's greedy token after the context,
     `choices[i + 1]` its token after node i (with its ancestors). Returns (accepted node indices, root to leaf;

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from tqdm.auto import tqdm
 
 from drafter_lib.decoding.speculative import accepted_length, mean_acceptance_length
-from drafter_lib.decoding.tree import DraftTree, tree_accepted_length
+from drafter_lib.decoding.tree import DraftTree, check_bounds, tree_accepted_length
 
 
 @dataclass
@@ -142,11 +142,7 @@ def draft_trees(drafter, contexts: list[list[int]], budget: int, max_depth: int)
         out = [drafter.draft_tree(c, budget, max_depth) for c in contexts]
     if len(out) != len(contexts):
         raise ValueError(f"the drafter returned {len(out)} trees for {len(contexts)} contexts")
-    for t in out:
-        if len(t) > budget or t.depth > max_depth:
-            raise ValueError(f"the drafter's tree has {len(t)} nodes and depth {t.depth}; asked for at most {budget} "
-                             f"nodes and depth {max_depth}")
-    return out
+    return [check_bounds(t, budget, max_depth) for t in out]
 
 
 class ChainTree:

@@ -359,19 +359,14 @@ class DraftEngine:
     def _forward(self, row: _Row, new: list[int], all_tokens: bool = False) -> tuple[list[int], list | None]:
         """Feed `new` tokens after row.valid; returns the greedy next token after each fed token (only after the
         last one unless all_tokens) and, if the row wants them, their probabilities."""
-        n0 = row.valid
-        ids = torch.tensor(new, dtype=torch.long)[None]
-        for s in range(0, len(new), _CHUNK):  # chunked prefill bounds the activations / [T, L] mask
-            e = min(s + _CHUNK, len(new))
-            last_only = e < len(new) or not all_tokens
-            h = self.model.hidden(ids[:, s:e], torch.arange(n0 + s, n0 + e)[None], row.cache, last_only=last_only)
-        row.valid = n0 + len(new)
+        h = self._hidden_after(row.cache, row.valid, new, len(new) if all_tokens else 1)
+        row.valid += len(new)
         self.stats["computed_tokens"] += len(new)
-        return self._pick(h[0], row.probs is not None)  # callers needing all tokens feed <= _CHUNK tokens
+        return self._pick(h, row.probs is not None)
 
     def _hidden_after(self, cache: KVCache, start: int, new: list[int], keep: int) -> torch.Tensor:
-        """Feed `new` at positions start, start + 1, ... (chunked as `_forward` does); the final hidden states
-        [keep, H] of its last `keep` tokens."""
+        """Feed `new` at positions start, start + 1, ... in chunks of _CHUNK (they bound the activations and the
+        [T, L] mask); the final hidden states [keep, H] of its last `keep` tokens."""
         n = len(new)
         ids = torch.tensor(new, dtype=torch.long)[None]
         out = []
@@ -382,7 +377,7 @@ class DraftEngine:
             h = self.model.hidden(ids[:, s:e], torch.arange(start + s, start + e)[None], cache, last_only=last_only)
             if lo < e:
                 out.append(h[0] if last_only else h[0, lo - s:])
-        return torch.cat(out)
+        return out[0] if len(out) == 1 else torch.cat(out)  # one chunk (a loop's step): no copy
 
     def _decode_single(self, row: _Row, k: int):
         pol = self.copy_policy

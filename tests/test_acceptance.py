@@ -129,3 +129,25 @@ def test_growing_drafts_give_the_statistics_of_full_drafts(tiny_target):
         hist = full["accepted_length_hist"]
         assert sum(hist[2:]) > 0 and sum(hist[:2]) > 0, name  # steps ended at every level of the growth
         assert cost < 0.75 * 8 * full["steps"], name  # most steps stop after the first 2 or 4 drafted tokens
+
+
+def test_a_batch_runs_to_its_end_so_the_engine_reuses_its_cache(tiny_target):
+    """An engine cache that holds one batch's contexts but not every prompt's: the simulation still computes each
+    context once (later steps feed only the new tokens), and its figures are those of a cache that holds all."""
+    from drafter_lib.evaluation.drafters import engine_from_state_dict
+
+    model, tok = tiny_target
+    rng = random.Random(2)
+    prompts = [[rng.randrange(32, 127) for _ in range(40)] for _ in range(6)]
+    refs = [[rng.randrange(32, 127) for _ in range(20)] for _ in range(6)]
+    roomy = engine_from_state_dict(model.config, model.state_dict())
+    tight = engine_from_state_dict(model.config, model.state_dict(), max_cache_tokens=2 * 128 + 2 * 128)
+    a = simulate(roomy, prompts, refs, k=4, batch_size=2, grow=True).to_dict()
+    b = simulate(tight, prompts, refs, k=4, batch_size=2, grow=True).to_dict()
+    a.pop("seconds"), b.pop("seconds")
+    assert a == b
+    steps = a["steps"]
+    context = sum(map(len, prompts)) + sum(map(len, refs))
+    # computed: each context once, plus at most the drafted tokens and a re-fed token or two per step
+    assert tight.cache_info()["computed_tokens"] <= context + a["drafted_tokens"] + 2 * steps
+    assert tight.cache_info()["evictions"] > 0  # the cache did not hold every prompt

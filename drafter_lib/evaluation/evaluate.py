@@ -376,6 +376,10 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
         "baselines": results,
         "reference_seconds": ref_s,
         "item_ids": [it["id"] for it in items],
+        # each prompt's group and origin, in item_ids' order: other evaluations of the same prompts compare paired
+        # per group (evaluation/compare.py)
+        "item_groups": groups,
+        "item_origins": origins,
     }
 
 
@@ -479,7 +483,7 @@ def tree_curves(metrics: dict) -> dict[str, list[dict]]:
             for chain, pts in rows.items()}
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> None:
     from drafter_lib.model import hf_models
 
     ap = argparse.ArgumentParser(description="Acceptance length of a packed drafter against a target's greedy "
@@ -547,4 +551,3 @@ def main(argv=None) -> dict:
         write_metrics(args.out, metrics)
     if args.plots:
         save_plots(metrics, args.plots)
-    return metrics

@@ -42,3 +42,9 @@ def main(argv=None) -> Path:
                           tokenizer_gguf=args.tokenizer_gguf)
     print(f"exported {args.model_dir} -> {out} ({args.format}{'' if args.format == 'hf' else ' ' + args.gguf_type})")
     return out
+
+
+def cli(argv=None) -> None:
+    """The console script: `main` without its return value (the written path), which a console script would
+    print to stderr and exit 1 on."""
+    main(argv)

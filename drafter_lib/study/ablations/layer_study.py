@@ -407,3 +407,9 @@ def main(argv=None) -> list[dict]:
         png = repo_relative(png)
     print(f"\nresults: {repo_relative(out.results)}\nplots: {png}")
     return rows
+
+
+def cli(argv=None) -> None:
+    """The console script: `main` without its return value (its rows), which a console script would print to stderr
+    and exit 1 on."""
+    main(argv)

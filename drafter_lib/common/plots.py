@@ -250,3 +250,51 @@ def tree_budget_speed(rows: Sequence[Mapping], path, title: str = "Draft trees e
     axes[0].margins(y=0.1)
     fig.suptitle(title)
     return save_figure(fig, path)
+
+
+def group_intervals(results: Mapping[str, Mapping[str, Mapping]], path,
+                    title: str = "Mean acceptance length per group, 95 % intervals") -> Path:
+    """Grouped bars with 95 % interval whiskers: label -> group -> {"mal", "ci"} (`bootstrap.mal_interval`), one bar
+    per label in each group."""
+    labels = list(results)
+    groups = list(dict.fromkeys(g for r in results.values() for g in r))
+    if not groups:
+        raise ValueError("no groups to plot")
+    width = 0.8 / len(labels)
+    fig, ax = plt.subplots(figsize=(max(6, len(groups) * 0.9 + 2), 4))
+    for n, label in enumerate(labels):
+        xs = [i + (n - (len(labels) - 1) / 2) * width for i, g in enumerate(groups) if g in results[label]]
+        es = [results[label][g] for g in groups if g in results[label]]
+        ax.bar(xs, [e["mal"] for e in es], width=width, label=label,
+               yerr=[[max(e["mal"] - e["ci"][0], 0) for e in es], [max(e["ci"][1] - e["mal"], 0) for e in es]],
+               capsize=2, error_kw={"lw": 0.8})
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens per target step")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    return save_figure(fig, path)
+
+
+def data_curve(curves: Mapping[str, Mapping[str, Sequence[Mapping]]], path, n_prompts: int | None = None,
+               title: str = "Acceptance against the teacher's answer tokens") -> Path:
+    """One panel per drafter row: mean acceptance length with its 95 % interval against the teacher tokens the pack
+    was trained on (log scale), one line per mixture. `curves`: row -> mixture -> points {"tokens", "mal", "ci"}."""
+    if not any(curves.values()):
+        raise ValueError("no data-curve points to plot")
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
+    for ax, (row, series) in zip(axes[0], curves.items()):
+        for n, (mixture, pts) in enumerate(series.items()):
+            xs, ys = [p["tokens"] for p in pts], [p["mal"] for p in pts]
+            ax.errorbar(xs, ys, yerr=[[max(p["mal"] - p["ci"][0], 0) for p in pts],
+                                      [max(p["ci"][1] - p["mal"], 0) for p in pts]],
+                        fmt="o-", color=f"C{n}", capsize=3, ms=5, label=mixture)
+        ax.set_xscale("log")
+        ax.set_xlabel("teacher answer tokens in training (log)")
+        ax.set_ylabel("tokens per target step (MAL)" + (f", {n_prompts} prompts" if n_prompts else ""))
+        ax.set_title(row, fontsize=10)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=11)
+    return save_figure(fig, path)

@@ -20,7 +20,7 @@ def _needs_default_teacher():
 
 
 def test_presets_round_trip():
-    assert set(C.PRESETS) == {"smoke", "default", "full"}
+    assert set(C.PRESETS) == {"smoke", "default", "long", "full"}
     for name in C.PRESETS:
         cfg = C.build_config(name, check_models=name == "smoke")
         assert isinstance(cfg.train, TrainConfig)  # train.py's own dataclass is the train section
@@ -32,6 +32,14 @@ def test_presets_round_trip():
     assert (full.study.teacher, full.study.drafter_base, full.study.device) == ("Qwen/Qwen3-8B", "Qwen/Qwen3-1.7B",
                                                                                 "cuda")
     assert C.preset("default") == C.StudyConfig()  # the dataclass defaults are the default preset
+    # the long preset is the default with Dolly in the mixture, more teacher answers and steps, nothing else
+    long, default = C.preset("long").to_dict(), C.StudyConfig().to_dict()
+    assert long["data"].pop("total_prompts") > default["data"].pop("total_prompts")
+    assert long["data"].pop("source_weights") == {**default["data"].pop("source_weights"), "dolly_15k": 1.5}
+    assert long["train"].pop("steps") > default["train"].pop("steps")
+    for key in ("qat_steps", "eval_every", "warmup_steps"):
+        long["train"].pop(key), default["train"].pop(key)
+    assert long == default
     smoke = C.preset("smoke")
     assert smoke.study.teacher == "tiny-random:llama" and smoke.quant.group_size == 32
     with pytest.raises(C.ConfigError, match="unknown preset 'huge'"):

@@ -218,6 +218,19 @@ def _smoke() -> StudyConfig:
         eval=EvalConfig(limit=12, max_new_tokens=24, k=8, e2e_prompts=2, e2e_k=None, group_by="category"))
 
 
+def _long() -> StudyConfig:
+    # The default with prompts people write (dolly_15k, at the weight the mixture arms tried) and 1.5x the teacher's
+    # answers and training steps: ~1.0M answer tokens from 6,790 training prompts (the default sources alone run out:
+    # 171 self-instruct seeds, 2,300 synthetic prompts), 1,400 steps (~1.6 epochs, as the default's 900). Sized for
+    # <= 150 min on 2 cores where the teacher is slowest (156 tokens/s, 1.5 s a step on AVX2-only cores; about
+    # 1 h 50 min at the default run's 246 tokens/s). docs/studies/teacher_data.md
+    cfg = StudyConfig()
+    cfg.data.total_prompts = 8200
+    cfg.data.source_weights = {**DEFAULT_SOURCE_WEIGHTS, "dolly_15k": 1.5}
+    cfg.train = dataclasses.replace(cfg.train, steps=1400, qat_steps=80, eval_every=140, warmup_steps=30)
+    return cfg
+
+
 def _full() -> StudyConfig:
     return StudyConfig(
         study=StudySection(teacher="Qwen/Qwen3-8B", drafter_base="Qwen/Qwen3-1.7B", keep_layers=None, device="cuda"),
@@ -236,7 +249,7 @@ def _full() -> StudyConfig:
         eval=EvalConfig(limit=200, max_new_tokens=256, k=16, e2e_prompts=16, e2e_k=None, group_by="category"))
 
 
-PRESETS = {"smoke": _smoke, "default": StudyConfig, "full": _full}
+PRESETS = {"smoke": _smoke, "default": StudyConfig, "long": _long, "full": _full}
 
 
 def preset(name: str) -> StudyConfig:

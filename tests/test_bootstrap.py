@@ -65,6 +65,11 @@ def test_groups_and_the_best_variant():
     g = B.group_intervals(per, ["x", "y", "x", "y"])
     assert g["x"]["mal"] == pytest.approx(2.5) and g["y"]["mal"] == pytest.approx(1.25)
     assert B.fmt(g["x"]).startswith("2.500 [")
+    d = B.group_differences(per, [[10, 0], [10, 0], [10, 0], [10, 5]], ["x", "y", "x", "y"])
+    assert d["x"] == B.paired_difference([[10, 10], [10, 20]], [[10, 0], [10, 0]])
+    assert d["x"]["difference"] == pytest.approx(1.5) and d["y"]["difference"] == pytest.approx(0.0)
+    with pytest.raises(ValueError, match="3 groups for 4 prompts"):
+        B.group_differences(per, per, ["x", "y", "x"])
     rows = [{"name": "a", "mal": 1.5, "per_prompt": [[10, 5]] * 20},
             {"name": "b", "mal": 2.0, "per_prompt": [[10, 10]] * 20},
             {"name": "old", "mal": 9.0}]  # a row without counts (an older result) is left alone

@@ -66,14 +66,25 @@ def paired_difference(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]], n_
             "resolved": bool(ci[0] > 0 or ci[1] < 0), "prompts": len(sa)}
 
 
-def group_intervals(per_prompt: Sequence[Sequence[int]], groups: Sequence[str], **kw) -> dict[str, dict]:
-    """mal_interval of each group's prompts (groups[i]: the group of prompt i)."""
+def _by_group(per_prompt: Sequence[Sequence[int]], groups: Sequence[str]) -> dict[str, list]:
     if len(groups) != len(per_prompt):
         raise ValueError(f"{len(groups)} groups for {len(per_prompt)} prompts")
     out: dict[str, list] = {}
     for g, counts in zip(groups, per_prompt):
         out.setdefault(g, []).append(counts)
-    return {g: mal_interval(c, **kw) for g, c in out.items()}
+    return out
+
+
+def group_intervals(per_prompt: Sequence[Sequence[int]], groups: Sequence[str], **kw) -> dict[str, dict]:
+    """mal_interval of each group's prompts (groups[i]: the group of prompt i)."""
+    return {g: mal_interval(c, **kw) for g, c in _by_group(per_prompt, groups).items()}
+
+
+def group_differences(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]], groups: Sequence[str],
+                      **kw) -> dict[str, dict]:
+    """paired_difference of a and b (the same prompts, in the same order) within each group's prompts."""
+    b_of = _by_group(b, groups)
+    return {g: paired_difference(c, b_of[g], **kw) for g, c in _by_group(a, groups).items()}
 
 
 def fmt(entry: dict | None) -> str:

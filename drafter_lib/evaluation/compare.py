@@ -60,13 +60,6 @@ def _by_id(m: dict, row: str, ids: Sequence[str]) -> list[list[int]]:
     return [per[i] for i in ids]
 
 
-def _split(counts: Sequence, keys: Sequence[str]) -> dict[str, list]:
-    out: dict[str, list] = {}
-    for k, c in zip(keys, counts):
-        out.setdefault(k, []).append(c)
-    return out
-
-
 def compare_evals(evals: Mapping[str, dict], rows: Sequence[str] | None = None) -> dict:
     """label -> metrics (`load_eval`); the first label is the reference. -> {"prompts", "reference", "groups":
     group -> prompts, "origins", "rows": row -> label -> {"all", "groups", "origins": mal_interval results,
@@ -92,7 +85,6 @@ def compare_evals(evals: Mapping[str, dict], rows: Sequence[str] | None = None) 
            "origins": {o: origins.count(o) for o in dict.fromkeys(origins)}, "rows": {}}
     for row in rows:
         base = _by_id(ref, row, ids)
-        base_groups = _split(base, groups)
         out["rows"][row] = {}
         for label, m in evals.items():
             per = _by_id(m, row, ids)
@@ -100,8 +92,7 @@ def compare_evals(evals: Mapping[str, dict], rows: Sequence[str] | None = None) 
                      "origins": bootstrap.group_intervals(per, origins)}
             if label != labels[0]:
                 entry["vs_reference"] = bootstrap.paired_difference(per, base)
-                entry["vs_reference_groups"] = {g: bootstrap.paired_difference(c, base_groups[g])
-                                                for g, c in _split(per, groups).items()}
+                entry["vs_reference_groups"] = bootstrap.group_differences(per, base, groups)
             out["rows"][row][label] = entry
     return out
 

@@ -55,25 +55,37 @@ def position_acceptance(results: Mapping[str, dict], path, title: str = "Accepta
     return save_figure(fig, path)
 
 
+def _grouped_bars(values: Mapping[str, Sequence[float | None]], groups: Sequence[str], path, title: str,
+                  errors: Mapping[str, Sequence[Sequence[float] | None]] | None = None,
+                  title_size: float | None = None) -> Path:
+    """One bar per label in each group (values[label][i]: its bar in groups[i], None: no bar), optional whiskers
+    (errors[label][i]: [below, above]), the plain-decoding line at 1.0 and the legend beside the bars."""
+    width = 0.8 / max(len(values), 1)
+    fig, ax = plt.subplots(figsize=(max(6, len(groups) * 0.9 + 2), 4))
+    for n, (label, vals) in enumerate(values.items()):
+        idx = [i for i, v in enumerate(vals) if v is not None]
+        yerr = None
+        if errors is not None:
+            yerr = [[errors[label][i][0] for i in idx], [errors[label][i][1] for i in idx]]
+        ax.bar([i + (n - (len(values) - 1) / 2) * width for i in idx], [vals[i] for i in idx], width=width,
+               label=label, yerr=yerr, capsize=2 if yerr else 0, error_kw={"lw": 0.8})
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels(groups, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens per target step")
+    ax.set_title(title, fontsize=title_size)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)  # beside the bars, not on them
+    return save_figure(fig, path)
+
+
 def per_category(results: Mapping[str, dict], path, title: str = "Mean acceptance length per category"):
     """Grouped bars: mean acceptance length per prompt category, one bar per drafter."""
-    names = list(results)
     cats = list(dict.fromkeys(c for r in results.values() for c in r.get("per_category", {})))
     if not cats:
         raise ValueError("results have no per_category entries")
-    width = 0.8 / max(len(names), 1)
-    fig, ax = plt.subplots(figsize=(max(6, len(cats) * 0.9 + 2), 4))
-    for n, name in enumerate(names):
-        pc = results[name].get("per_category", {})
-        vals = [pc[c]["mean_acceptance_length"] if c in pc else 0.0 for c in cats]
-        ax.bar([i + (n - (len(names) - 1) / 2) * width for i in range(len(cats))], vals, width=width, label=name)
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(range(len(cats)))
-    ax.set_xticklabels(cats, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("tokens per target step")
-    ax.set_title(title)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)  # beside the bars, not on them
-    return save_figure(fig, path)
+    values = {name: [r.get("per_category", {})[c]["mean_acceptance_length"] if c in r.get("per_category", {})
+                     else 0.0 for c in cats] for name, r in results.items()}
+    return _grouped_bars(values, cats, path, title)
 
 
 def category_heatmap(results: Mapping[str, dict], path, counts: Mapping[str, int] | None = None,
@@ -256,25 +268,13 @@ def group_intervals(results: Mapping[str, Mapping[str, Mapping]], path,
                     title: str = "Mean acceptance length per group, 95 % intervals") -> Path:
     """Grouped bars with 95 % interval whiskers: label -> group -> {"mal", "ci"} (`bootstrap.mal_interval`), one bar
     per label in each group."""
-    labels = list(results)
     groups = list(dict.fromkeys(g for r in results.values() for g in r))
     if not groups:
         raise ValueError("no groups to plot")
-    width = 0.8 / len(labels)
-    fig, ax = plt.subplots(figsize=(max(6, len(groups) * 0.9 + 2), 4))
-    for n, label in enumerate(labels):
-        xs = [i + (n - (len(labels) - 1) / 2) * width for i, g in enumerate(groups) if g in results[label]]
-        es = [results[label][g] for g in groups if g in results[label]]
-        ax.bar(xs, [e["mal"] for e in es], width=width, label=label,
-               yerr=[[max(e["mal"] - e["ci"][0], 0) for e in es], [max(e["ci"][1] - e["mal"], 0) for e in es]],
-               capsize=2, error_kw={"lw": 0.8})
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels(groups, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("tokens per target step")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    return save_figure(fig, path)
+    values = {label: [r[g]["mal"] if g in r else None for g in groups] for label, r in results.items()}
+    errors = {label: [[max(r[g]["mal"] - r[g]["ci"][0], 0), max(r[g]["ci"][1] - r[g]["mal"], 0)] if g in r else None
+                      for g in groups] for label, r in results.items()}
+    return _grouped_bars(values, groups, path, title, errors, title_size=10)
 
 
 def data_curve(curves: Mapping[str, Mapping[str, Sequence[Mapping]]], path, n_prompts: int | None = None,

@@ -86,12 +86,15 @@ def test_greedy_stays_in_the_draft_vocab_without_suppress_tokens(shipped):
     engine = DraftEngine.from_dir(ROOT / "model", dtype="float32", copy_policy={"enabled": False})
     model = transformers.AutoModelForCausalLM.from_pretrained(shipped).eval()
     model.generation_config.suppress_tokens = None
+    # the engine knows no stop token and drafts through an end of turn: generate must neither stop there nor, with
+    # min_new_tokens, mask it
+    model.generation_config.eos_token_id = None
     inside = set(read_model_dir(ROOT / "model").state_dict[DV.IDS_TENSOR].tolist())
     tok = hf_models.default_tokenizer()
     for q in ("Explain why the sky is blue.", "List three prime numbers and say why they are prime."):
         ids = _ids(tok, [{"role": "user", "content": q}])
-        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16,
-                             do_sample=False)[0, ids.shape[1]:].tolist()
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False,
+                             pad_token_id=tok.pad_token_id)[0, ids.shape[1]:].tolist()
         assert got == engine.draft(ids[0].tolist(), 16).tokens
         assert set(got) <= inside
 

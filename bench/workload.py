@@ -11,7 +11,7 @@ from __future__ import annotations
 from drafter_lib.common.layout import RunLayout, resolve_shared_data
 from drafter_lib.data import corpora as data
 from drafter_lib.evaluation.evaluate import load_eval_prompts, spread_over_categories
-from drafter_lib.study.config import DataConfig
+from drafter_lib.study.config_sections import DataConfig
 
 
 def heldout_prompts(path: str | None, n: int) -> list[dict]:

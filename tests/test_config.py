@@ -1,7 +1,9 @@
 """The typed study config: presets, overrides and their round trips, and one failure per class of bad value (each
 message names the key), all before any stage runs."""
+import dataclasses
 import json
 import time
+import typing
 
 import pytest
 import torch
@@ -9,6 +11,7 @@ import torch
 from drafter_lib.common.layout import RunLayout
 from drafter_lib.model import hf_models
 from drafter_lib.study import config as C
+from drafter_lib.study.config_sections import ConfigSections
 from drafter_lib.train.trainer import TrainConfig
 
 
@@ -46,6 +49,11 @@ def test_presets_round_trip():
         C.preset("huge")
 
 
+def test_the_checks_read_the_config_tree_by_its_shape():
+    """config_checks types its config as config_sections.ConfigSections (so it needs not import config, which runs
+    it): the protocol's fields and types are StudyConfig's, no more, no less."""
+    assert typing.get_type_hints(ConfigSections) == typing.get_type_hints(C.StudyConfig)
+    assert list(typing.get_type_hints(ConfigSections)) == [f.name for f in dataclasses.fields(C.StudyConfig)]
 def test_overrides_dotted_sections_and_old_flat_keys():
     cfg = C.build_config("smoke", {"eval.k": 4, "train": {"steps": 3}, "pack.copy_policy.enabled": False,
                                    "quant.group_size": 16})

@@ -45,7 +45,7 @@ def test_open_ended_families_varied_and_named_apart_from_mt_bench():
 
 
 def test_default_mixture_without_shared_corpora(tmp_path):
-    from drafter_lib.study.config import DEFAULT_SOURCE_WEIGHTS, DataConfig
+    from drafter_lib.study.config_sections import DEFAULT_SOURCE_WEIGHTS, DataConfig
 
     assert DataConfig().source_weights == DEFAULT_SOURCE_WEIGHTS
     full = D.only_present(DEFAULT_SOURCE_WEIGHTS, D.default_sources(SHARED, humaneval=False)) \

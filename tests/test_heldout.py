@@ -11,6 +11,7 @@ from drafter_lib.common.files import sha256_file
 from drafter_lib.common.layout import REPO_ROOT, resolve_shared_data
 from drafter_lib.data import heldout as H
 from drafter_lib.study import config as C
+from drafter_lib.study import config_sections as S
 
 
 def readme_rows():
@@ -73,7 +74,7 @@ def test_entries_parse_or_say_what_is_wrong():
         with pytest.raises(ValueError, match=msg):
             H.parse_entry(bad)
     # the default config's entries are valid; the study's check names the key of a bad one
-    assert C.build_config("default", check_models=False).eval.heldout_files == list(C.DEFAULT_HELDOUT_FILES)
+    assert C.build_config("default", check_models=False).eval.heldout_files == list(S.DEFAULT_HELDOUT_FILES)
     with pytest.raises(C.ConfigError, match=r"eval.heldout_files\[0\]"):
         C.build_config("smoke", {"eval.heldout_files": ["no/such/file.jsonl"]})
 
@@ -118,8 +119,8 @@ def test_heldout_sets_never_overlap_the_training_prompts():
     (data.shared_data "auto": the vendored copies in data/corpora/, so this runs on every machine)."""
     from drafter_lib.data import corpora as data
 
-    held, _ = H.load_heldout_sets(C.DEFAULT_HELDOUT_FILES)
-    cfg = C.DataConfig()
+    held, _ = H.load_heldout_sets(S.DEFAULT_HELDOUT_FILES)
+    cfg = S.DataConfig()
     sources = data.default_sources(resolve_shared_data(cfg.shared_data), synthetic_n=cfg.synthetic_n,
                                    humaneval=False, corpora=data.corpora_for(cfg.source_weights))
     assert {s["name"] for s in sources if s["kind"] == "file"} == set(data.DEFAULT_CORPORA)

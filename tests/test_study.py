@@ -13,6 +13,7 @@ from drafter_lib.common.layout import NOTEBOOKS_DIR, REPO_ROOT, RunLayout
 from drafter_lib.study import config as C
 from drafter_lib.study import pack
 from drafter_lib.study import run as study
+from drafter_lib.study.config_sections import PackConfig
 
 
 def test_presets_and_overrides():
@@ -110,7 +111,7 @@ def test_smoke_artifacts(smoke_run, tmp_path):
     eng = DraftEngine.from_dir(run.model_dir)
     row = json.loads(run.targets.read_text().splitlines()[0])
     # the pack records the threshold it recommends; a request without one still gets k tokens
-    assert eng.info()["recommended_min_confidence"] == C.PackConfig().min_confidence == 0.4
+    assert eng.info()["recommended_min_confidence"] == PackConfig().min_confidence == 0.4
     assert len(eng.draft(row["prompt_ids"], 5, min_confidence=0)) == 5
 
     # publishing: the pack to a model dir, the report to results/<name>/ - neither holds this machine's paths

@@ -129,7 +129,8 @@ def test_default_sources_resolve_to_the_vendored_corpora_without_shared(monkeypa
 
 
 def test_dolly_enters_only_when_the_mixture_names_it():
-    from drafter_lib.study.config import DEFAULT_SOURCE_WEIGHTS, DataConfig, build_config
+    from drafter_lib.study.config import build_config
+    from drafter_lib.study.config_sections import DEFAULT_SOURCE_WEIGHTS, DataConfig
 
     assert "dolly_15k" not in DEFAULT_SOURCE_WEIGHTS
     assert D.corpora_for(DEFAULT_SOURCE_WEIGHTS) == D.corpora_for(None) == list(V.DEFAULT_CORPORA)
@@ -144,7 +145,7 @@ def test_dolly_enters_only_when_the_mixture_names_it():
 
 def _default_prompt_set(run_dir: Path, folder: Path) -> dict:
     """The default study's 01_data without the length filter (stages.build_prompts minus the tokenizer)."""
-    from drafter_lib.study.config import DEFAULT_SOURCE_WEIGHTS, DataConfig
+    from drafter_lib.study.config_sections import DEFAULT_SOURCE_WEIGHTS, DataConfig
 
     d = DataConfig()
     sources = D.default_sources(folder, synthetic_n=d.synthetic_n, seed=0, humaneval=False,

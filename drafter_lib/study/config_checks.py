@@ -10,15 +10,12 @@ import dataclasses
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from drafter_lib.common.layout import resolve_shared_data
 from drafter_lib.common.overrides import ConfigError
 from drafter_lib.model.transformer import SUPPORTED_ARCHS
 from drafter_lib.packed.config_keys import ENGINE_DTYPES
-
-if TYPE_CHECKING:  # the config module calls these checks; only its type is named here
-    from drafter_lib.study.config import StudyConfig
+from drafter_lib.study.config_sections import ConfigSections
 
 DEVICES = ("cpu", "cuda", "mps")
 BACKENDS = ("auto", "native", "hf", "vllm")
@@ -86,12 +83,12 @@ def _check_spec(spec: str, key: str, lookup: bool = False) -> None:
         raise ConfigError(f"{key}: {e}") from None
 
 
-def _model_specs(cfg: StudyConfig) -> list[tuple[str, str]]:
+def _model_specs(cfg: ConfigSections) -> list[tuple[str, str]]:
     s = cfg.study
     return [("study.teacher", s.teacher)] + ([("study.drafter_base", s.drafter_base)] if s.drafter_base else [])
 
 
-def _check_hub_files(cfg: StudyConfig, allow_download: bool) -> None:
+def _check_hub_files(cfg: ConfigSections, allow_download: bool) -> None:
     """A pinned hub model whose files are not in the local HF cache needs the hub: one short call checks that it
     answers (and has the revision) before any stage runs, instead of a stage failing on the download."""
     from drafter_lib.model import hf_models
@@ -115,7 +112,7 @@ def _check_hub_files(cfg: StudyConfig, allow_download: bool) -> None:
         _need(st["error"] is None, key, f"{name}@{rev}: {st['error']}")
 
 
-def _check_tokenizers(cfg: StudyConfig, allow_download: bool) -> None:
+def _check_tokenizers(cfg: ConfigSections, allow_download: bool) -> None:
     """A drafter base must tokenize as the teacher does: the drafts are teacher token ids, and no mapping between two
     tokenizers exists in the study. Read from tokenizer files or GGUF metadata, no weights."""
     from drafter_lib.model import tokenizer_identity as ti
@@ -151,7 +148,7 @@ def _keep(keep, num_layers: int, key: str) -> list[int]:
         raise ConfigError(f"{key}: {e}") from None
 
 
-def _check_train(cfg: StudyConfig) -> None:
+def _check_train(cfg: ConfigSections) -> None:
     t = cfg.train
     _need(0 <= t.val_fraction < 1, "train.val_fraction", f"must be in [0, 1), got {t.val_fraction}")
     # TrainConfig's own checks, with the fields the study fills in filled in
@@ -167,7 +164,7 @@ def _check_train(cfg: StudyConfig) -> None:
           f"{cfg.data.min_prompt_tokens} or more")
 
 
-def _check_quant(cfg: StudyConfig) -> None:
+def _check_quant(cfg: ConfigSections) -> None:
     from drafter_lib.quantization import QuantSpec
 
     q = cfg.quant
@@ -188,7 +185,7 @@ def _fits(sizes: list[int], bits: int) -> list[int]:
     return [g for g in (16, 32, 64, 128, 256) if all(s % g == 0 for s in sizes) and (bits == 8 or g % 2 == 0)]
 
 
-def _check_model_sizes(cfg: StudyConfig, allow_download: bool) -> None:
+def _check_model_sizes(cfg: ConfigSections, allow_download: bool) -> None:
     """keep_layers and group sizes against the drafter base's real sizes (skipped when they cannot be read)."""
     from drafter_lib.model.hf_models import model_sizes
 
@@ -251,7 +248,7 @@ def _check_heldout_files(entries) -> None:
     _need(not dups, "eval.heldout_files", f"listed twice: {dups}")
 
 
-def check(cfg: StudyConfig, check_models: bool = True, allow_download: bool = True) -> None:
+def check(cfg: ConfigSections, check_models: bool = True, allow_download: bool = True) -> None:
     s, d, t, p, e = cfg.study, cfg.data, cfg.teacher, cfg.pack, cfg.eval
     # study
     for key, spec in _model_specs(cfg):
@@ -346,7 +343,7 @@ def _offline_sizes(spec: str) -> dict | None:
         return None
 
 
-def _train_bytes(cfg: StudyConfig, sizes: dict | None) -> tuple[int, int] | None:
+def _train_bytes(cfg: ConfigSections, sizes: dict | None) -> tuple[int, int] | None:
     """(bytes, drafter parameters) that training keeps at most, from the drafter base's `sizes` (its config, no
     weights); None when they could not be read."""
     from drafter_lib.model.hf_models import parse_keep
@@ -362,7 +359,7 @@ def _train_bytes(cfg: StudyConfig, sizes: dict | None) -> tuple[int, int] | None
     return de.train_bytes(params, cfg.train.keep_checkpoints), params
 
 
-def check_disk(cfg: StudyConfig, run_dir, teacher_pending: bool = True, out=None,
+def check_disk(cfg: ConfigSections, run_dir, teacher_pending: bool = True, out=None,
                train_pending: bool | None = None) -> dict:
     """Print how many bytes the teacher's answers and soft labels take, at most, and training's checkpoints and
     exports (disk_estimate), and stop a run whose filesystem has less room than what its pending stages still write
@@ -406,7 +403,7 @@ def check_disk(cfg: StudyConfig, run_dir, teacher_pending: bool = True, out=None
             "free": free, "path": where}
 
 
-def _train_describe(nbytes: int, params: int, cfg: StudyConfig) -> str:
+def _train_describe(nbytes: int, params: int, cfg: ConfigSections) -> str:
     from drafter_lib.study import disk_estimate as de
 
     keep = cfg.train.keep_checkpoints
@@ -415,7 +412,7 @@ def _train_describe(nbytes: int, params: int, cfg: StudyConfig) -> str:
             f"{de.EXPORT_BYTES_PER_PARAM} B)")
 
 
-def waste_notes(cfg: StudyConfig) -> list[str]:
+def waste_notes(cfg: ConfigSections) -> list[str]:
     """Combinations that run but throw work away (not errors: the run is still valid), one line each for the study
     to print before any stage. Today: training rows shorter than the longest prompt plus its answer, so the teacher
     writes continuations that training then cuts or drops (the presets size max_seq_len to fit both)."""
@@ -428,7 +425,7 @@ def waste_notes(cfg: StudyConfig) -> list[str]:
             f"{tr.max_seq_len} tokens; set train.max_seq_len={need} to use all of them"]
 
 
-def check_scale_out(cfg: StudyConfig, on_this_machine: bool = True) -> None:
+def check_scale_out(cfg: ConfigSections, on_this_machine: bool = True) -> None:
     """The GPU scale-out keys (docs/scale_out.md): teacher.backend='vllm' and teacher.tensor_parallel_size,
     train.num_processes and train.distributed (whose values TrainConfig.validate checks). on_this_machine (the
     checks with the models): vllm importable, CUDA GPUs for the tensor parallel engine, as many devices as

@@ -10,6 +10,7 @@ from pathlib import Path
 from drafter_lib.common.files import read_json, to_jsonable, write_json
 from drafter_lib.common.layout import MODEL_DIR, REPO_ROOT, RunLayout, TrainLayout, repo_relative, resolve_shared_data
 from drafter_lib.study import config
+from drafter_lib.study.config_sections import DEFAULT_SOURCE_WEIGHTS
 
 # ---------------------------------------------------------------------------------------------- every notebook
 
@@ -106,7 +107,7 @@ def build_prompts(cfg: config.StudyConfig, run: RunLayout):
     weights = d.source_weights
     # "auto" (the vendored copies) has every corpus the default mixture names; an explicit data.shared_data folder
     # may lack some, and null has none: the default's weights for those are dropped
-    if weights == config.DEFAULT_SOURCE_WEIGHTS:
+    if weights == DEFAULT_SOURCE_WEIGHTS:
         weights = data.only_present(weights, sources)
     summary = data.build_prompt_set(run.data_dir, sources=sources, weights=weights, total=d.total_prompts,
                                     tokenizer=tok, min_tokens=d.min_prompt_tokens, max_tokens=d.max_prompt_tokens,

@@ -349,3 +349,17 @@ def test_draft_many_raises_the_first_failure():
         with pytest.raises(DraftServerError, match="422: bad"):
             c.draft_many([[1]] * 6, 1)
         assert len(stub.requests) == 6  # every request ran to its end before the error came out
+
+
+def test_tree_defaults_are_the_engines():
+    """A client's draft_tree asks for what the engine and the server default to: budget 8 (the tree measured fastest
+    end to end) and 16 levels."""
+    import inspect
+
+    from drafter_lib.engine import tree_draft
+
+    for cls in (SpeculativeClient, AsyncSpeculativeClient):
+        for method in (cls.draft_tree, cls.draft_tree_response):
+            params = inspect.signature(method).parameters
+            assert (params["budget"].default, params["max_depth"].default) == (
+                tree_draft.DEFAULT_TREE_BUDGET, tree_draft.DEFAULT_MAX_DEPTH) == (8, 16)

@@ -4,8 +4,8 @@
 speculative loop runs against the server with `speculative.speculative_generate(target, prompt, max_new_tokens,
 client, k)`. `AsyncSpeculativeClient` has the same methods as coroutines. `draft_many` sends several sequences at
 once: the server micro-batches concurrent requests, so this is how a client gets batching. `draft_tree(tokens,
-budget, max_depth)` returns the server's draft tree (a `decoding.tree.DraftTree`), so a client is also a tree drafter
-for `speculative_generate(..., tree_budget=N)`.
+budget, max_depth)` returns the server's draft tree (a `decoding.tree.DraftTree`; budget 8 and max_depth 16 by default,
+as the server and the engine), so a client is also a tree drafter for `speculative_generate(..., tree_budget=N)`.
 
 Both clients retry a 503 (queue full, request timed out, server starting or draining) and a request that got no
 answer (connection refused or dropped, timeout), waiting the server's `Retry-After` or a short exponential backoff,
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
+
+from drafter_lib.serve.schema import DEFAULT_TREE_BUDGET
 
 if TYPE_CHECKING:
     from drafter_lib.decoding.tree import DraftTree
@@ -161,13 +163,13 @@ class SpeculativeClient(_ClientBase):
                        return_probs: bool = False) -> dict:
         return self._request("POST", "/draft", draft_body(tokens, k, min_confidence, return_probs))
 
-    def draft_tree(self, tokens: Sequence[int], budget: int = 16, max_depth: int = 16,
+    def draft_tree(self, tokens: Sequence[int], budget: int = DEFAULT_TREE_BUDGET, max_depth: int = 16,
                    branch: int | None = None) -> DraftTree:
         """A draft tree of at most `budget` nodes and `max_depth` levels (`branch`: candidates per expanded node; None:
         the server's default), parents before children, with each node's path probability."""
         return _tree(self.draft_tree_response(tokens, budget, max_depth, branch))
 
-    def draft_tree_response(self, tokens: Sequence[int], budget: int = 16, max_depth: int = 16,
+    def draft_tree_response(self, tokens: Sequence[int], budget: int = DEFAULT_TREE_BUDGET, max_depth: int = 16,
                             branch: int | None = None) -> dict:
         return self._request("POST", "/draft", tree_body(tokens, budget, max_depth, branch))
 
@@ -235,11 +237,11 @@ class AsyncSpeculativeClient(_ClientBase):
                              return_probs: bool = False) -> dict:
         return await self._request("POST", "/draft", draft_body(tokens, k, min_confidence, return_probs))
 
-    async def draft_tree(self, tokens: Sequence[int], budget: int = 16, max_depth: int = 16,
+    async def draft_tree(self, tokens: Sequence[int], budget: int = DEFAULT_TREE_BUDGET, max_depth: int = 16,
                          branch: int | None = None) -> DraftTree:
         return _tree(await self.draft_tree_response(tokens, budget, max_depth, branch))
 
-    async def draft_tree_response(self, tokens: Sequence[int], budget: int = 16, max_depth: int = 16,
+    async def draft_tree_response(self, tokens: Sequence[int], budget: int = DEFAULT_TREE_BUDGET, max_depth: int = 16,
                                   branch: int | None = None) -> dict:
         return await self._request("POST", "/draft", tree_body(tokens, budget, max_depth, branch))
 

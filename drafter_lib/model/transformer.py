@@ -25,6 +25,8 @@ from drafter_lib.model.kv_cache import KVCache
 SUPPORTED_ARCHS = ("llama", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 COMPILED_MAX_T = 32  # cached steps of up to this many tokens a row run `compiled_step` when set (longer: causal)
+ROW_BUCKET = 64  # row-exact attention reads keys in blocks of this many slots (a cache's capacity is a multiple)
+ROW_EXACT = "row-exact"  # the mask value that makes a layer attend row by row (Attention._attend_rows)
 
 
 @dataclass
@@ -232,13 +234,44 @@ class Attention(nn.Module):
             if cache is not None:  # length None: a static-shape step (Transformer.cached_step) over all slots
                 k, v = (cache.write(self.layer_idx, k, v, positions) if length is None
                         else cache.update(self.layer_idx, k, v, positions, length))
-            y = self._attend(q, k, v, mask)
+            y = self._attend_rows(q, k, v, positions) if mask is ROW_EXACT else self._attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
     def _attend(self, q, k, v, mask):
         causal = isinstance(mask, str)  # "causal": keys == queries from position 0, the kernel skips masked blocks
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=None if causal else mask,
                                               is_causal=causal, enable_gqa=self.nkv != self.nh)
+
+
+    def _attend_rows(self, q, k, v, positions):
+        """Attention in which a query row's output never depends on the other rows of its pass (one sequence).
+
+        Each query is a head of its own (q_len 1) that reads the first `row_keys(position)` slots under its own
+        mask, so a row is computed by the same kernel call shape, over the same keys, whether it comes alone (a
+        one-token step) or inside a k + 1-token verify pass. Rows whose key blocks end alike share one call."""
+        _, H, T, D = q.shape
+        group = H // self.nkv
+        pos = positions[0]
+        ends = [row_keys(int(p)) for p in pos.tolist()]
+        out, a = [], 0
+        while a < T:
+            b = a + 1
+            while b < T and ends[b] == ends[a]:
+                b += 1
+            n, rows = ends[a], b - a
+            qg = q[:, :, a:b].reshape(1, H * rows, 1, D)  # head-major: kv head j serves heads [j*group*rows, ...)
+            allowed = torch.arange(n) <= pos[a:b, None]  # [rows, n]
+            mask = allowed[None, None].expand(self.nkv, group, rows, n).reshape(1, H * rows, 1, n)
+            y = F.scaled_dot_product_attention(qg, k[:, :, :n].to(q.dtype), v[:, :, :n].to(q.dtype),
+                                               attn_mask=mask, enable_gqa=True)
+            out.append(y.view(1, H, rows, D))
+            a = b
+        return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+def row_keys(position: int) -> int:
+    """Key slots a row-exact query at `position` reads: its own and every earlier one, rounded up to ROW_BUCKET."""
+    return (position // ROW_BUCKET + 1) * ROW_BUCKET
 
 
 def _key_mask(positions: torch.Tensor, length: int) -> torch.Tensor:
@@ -382,6 +415,13 @@ class Transformer(nn.Module):
             length = int(positions.max()) + 1
             if length > cache.capacity:
                 raise ValueError(f"position {length - 1} exceeds KV cache capacity {cache.capacity}")
+            if self.row_exact:
+                if B != 1 or cache.capacity % ROW_BUCKET:
+                    raise ValueError(f"row-exact attention runs one sequence in a cache whose capacity is a "
+                                     f"multiple of {ROW_BUCKET}; got {B} rows, capacity {cache.capacity}")
+                for layer in m.layers:
+                    x = layer(x, cos, sin, positions, ROW_EXACT, cache, cache.capacity)
+                return m.norm(x[:, -1:] if last_only else x)
             if self.compiled_step is not None and T <= COMPILED_MAX_T:
                 x = self.compiled_step(x, cos, sin, positions, cache)
                 return x[:, -1:] if last_only else x
@@ -404,6 +444,8 @@ class Transformer(nn.Module):
             x = x[:, -1:]
         return m.norm(x)
 
+    row_exact = False  # cached steps attend row by row (`Attention._attend_rows`): a target whose verify passes
+    # equal its one-token steps bit for bit wherever its linears are row-exact too (w8a8.py)
     upcast_act = True  # fp16/bf16 weights still run activations in fp32 (see Linear)
     compiled_step = None  # a compiled `cached_step` that hidden() runs for short cached steps (the engine's)
 

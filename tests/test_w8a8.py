@@ -1,0 +1,108 @@
+"""The target runtime (decoding/runtime.py, w8a8.py, Transformer.row_exact): each row's logits are independent of the
+rows beside it, so speculative decoding equals this runtime's own plain greedy decoding bit for bit."""
+import random
+
+import pytest
+import torch
+
+from drafter_lib.decoding import w8a8
+from drafter_lib.decoding.runtime import runtime_from_model, runtime_target
+from drafter_lib.decoding.speculative import FnDrafter, greedy_decode, speculative_generate
+from drafter_lib.model.tiny_models import TINY_WEIGHT_SCALE
+from drafter_lib.model.transformer import ROW_BUCKET, Transformer
+
+USABLE = [k for k in w8a8.KERNELS if w8a8.kernel_unavailable(k) is None]
+
+
+def _runtime(tiny_random, arch: str, kernel: str | None = None):
+    hf, _ = tiny_random(arch, seed=1, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=128)
+    model = Transformer.from_hf_model(hf)
+    with torch.no_grad():  # sharper weights: varied greedy continuations (tiny_models.TINY_WEIGHT_SCALE)
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed_tokens" not in name:
+                p.mul_(TINY_WEIGHT_SCALE)
+    return runtime_target(model, "w8a8", kernel)
+
+
+@pytest.mark.parametrize("kernel", USABLE)
+def test_w8a8_linear_is_the_exact_integer_product(kernel):
+    torch.manual_seed(0)
+    w, b, x = torch.randn(48, 96), torch.randn(48), torch.randn(2, 5, 96) * 3
+    lin = w8a8.W8A8Linear(w, b, kernel)
+    xq, scale = w8a8.quantize_rows(x.reshape(-1, 96), lin.qmax)
+    assert xq.abs().max() <= lin.qmax and torch.equal(xq, xq.round())
+    sums = xq.double() @ lin.qweight.double().t()  # exact integers
+    want = (sums * lin.weight_scale.double() * scale.double() + b.double()).reshape(2, 5, 48)
+    torch.testing.assert_close(lin(x).double(), want, rtol=1e-5, atol=1e-5)
+    # and close to the float product it stands for
+    assert (lin(x) - x @ w.t() - b).abs().max() < 0.05 * (x @ w.t()).abs().max()
+
+
+@pytest.mark.parametrize("kernel", USABLE)
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kernel):
+    torch.manual_seed(1)
+    lin = w8a8.W8A8Linear(torch.randn(64, 128), None, kernel)
+    rows = torch.randn(17, 128)
+    alone = torch.cat([lin(rows[i:i + 1]) for i in range(17)])
+    assert torch.equal(lin(rows), alone)
+    other = rows.clone()
+    other[1:] = torch.randn(16, 128) * 100  # very different neighbours
+    assert torch.equal(lin(other)[0], alone[0])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_verify_pass_logits_equal_one_token_steps_bit_for_bit(tiny_random, arch):
+    target = _runtime(tiny_random, arch)
+    gen = torch.Generator().manual_seed(2)
+    context = torch.randint(0, 259, (ROW_BUCKET - 6,), generator=gen).tolist()  # the pass straddles a key block
+    feed = torch.randint(0, 259, (17,), generator=gen).tolist()
+    target.reset()
+    target.score(context, keep=1)
+    one_by_one = torch.cat([target.score([t], keep=1) for t in feed])
+    for k in (1, 4, 16):
+        target.rollback(len(context))
+        together = target.score(feed[:k + 1], keep=k + 1)
+        assert torch.equal(together, one_by_one[:k + 1]), k
+    target.rollback(len(context))  # row 0 beside other drafts: its logits stay the same
+    beside = target.score([feed[0]] + torch.randint(0, 259, (8,), generator=gen).tolist(), keep=9)
+    assert torch.equal(beside[0], one_by_one[0])
+
+
+def _adversaries(plain: list[int], prompt_len: int, vocab: int):
+    rnd = random.Random(0)
+    return {
+        "random": lambda ctx, k: [rnd.randrange(vocab) for _ in range(k)],
+        "always wrong": lambda ctx, k: [(t + 1) % vocab for t in plain[len(ctx) - prompt_len:][:k]] or [0] * k,
+        "always right": lambda ctx, k: plain[len(ctx) - prompt_len:][:k],
+    }
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_speculative_equals_plain_for_every_draft_length_and_drafter(tiny_random, arch):
+    target = _runtime(tiny_random, arch)
+    prompt = list(range(40, 100))
+    plain = greedy_decode(target, prompt, 80)
+    assert len(set(plain)) > 3  # a varied continuation, so wrong drafts get rejected at different places
+    for name, fn in _adversaries(plain, len(prompt), 259).items():
+        for k in range(1, 17):
+            out = speculative_generate(target, prompt, 80, FnDrafter(fn), k=k)
+            assert out.tokens == plain, (name, k)
+            if name == "always right":
+                assert out.mean_acceptance_length > min(k, 79) * 0.9
+
+
+def test_runtime_holds_its_tokenizer_and_stop_tokens(tiny_random):
+    hf, tok = tiny_random("llama", seed=1)
+    rt = runtime_from_model(Transformer.from_hf_model(hf), tok, "tiny")
+    assert rt.numerics == "w8a8" and rt.model.row_exact
+    assert set(rt.stop_ids) >= {tok.convert_tokens_to_ids("<|im_end|>")}
+    with pytest.raises(ValueError, match="numerics"):
+        runtime_from_model(Transformer.from_hf_model(hf), tok, "tiny", numerics="int3")
+
+
+def test_row_exact_attention_refuses_a_batch(tiny_random):
+    target = _runtime(tiny_random, "llama")
+    cache = target.model.new_cache(2, ROW_BUCKET)
+    with pytest.raises(ValueError, match="one sequence"):
+        target.model.hidden(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).repeat(2, 1), cache)

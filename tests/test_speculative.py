@@ -14,6 +14,7 @@ from drafter_lib.decoding.speculative import (
     greedy_decode,
     mean_acceptance_length,
     speculative_generate,
+    speculative_stream,
 )
 from drafter_lib.model.transformer import Transformer
 
@@ -127,6 +128,45 @@ def test_stop_ids_and_bad_input(targets):
         speculative_generate(native, [1, VOCAB], 4)
     with pytest.raises(ValueError, match="draft"):
         speculative_generate(native, prompt, 4, FnDrafter(lambda t, k: [VOCAB + 1]), k=2)
+
+
+def test_stream_steps_add_up_to_speculative_generate(targets):
+    target, prompt = NativeTarget(targets[1]), _prompts()[1]
+    plain = greedy_decode(target, prompt, 20)
+    for drafter, k in [(None, 4), (oracle(prompt + plain), 6), (oracle(prompt + plain, wrong_every=3), 5)]:
+        steps = list(speculative_stream(target, prompt, 20, drafter, k))
+        whole = speculative_generate(target, prompt, 20, drafter, k)
+        assert [t for s in steps for t in s.tokens] == whole.tokens == plain
+        assert [s.accepted for s in steps] == whole.accepted_lengths
+        assert [s.drafted for s in steps] == whole.draft_lengths
+        # a step adds its accepted draft tokens and the target's own (the last one may be cut at the end)
+        assert all(len(s.tokens) == s.accepted + 1 for s in steps[:-1]) and all(s.tokens for s in steps)
+        assert all(s.draft_seconds >= 0 and s.verify_seconds > 0 for s in steps)
+        if drafter is None:
+            assert len(steps) == 20 and all(s.drafted == 0 for s in steps)
+
+
+def test_stream_stops_at_a_stop_token_and_checks_its_arguments_at_once(targets):
+    target, prompt = NativeTarget(targets[1]), _prompts()[1]
+    plain = greedy_decode(target, prompt, 20)
+    stop = plain[10]
+    steps = list(speculative_stream(target, prompt, 20, oracle(prompt + plain), 16, stop_ids=[stop]))
+    assert [t for s in steps for t in s.tokens] == plain[:plain.index(stop) + 1]
+    # the checks run when the stream is made, not at its first step
+    with pytest.raises(ValueError, match="prompt is empty"):
+        speculative_stream(target, [], 4)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        speculative_stream(target, prompt, -1)
+    assert list(speculative_stream(target, prompt, 0)) == []
+
+
+def test_a_stream_left_early_leaves_the_target_ready_for_the_next(targets):
+    target, prompt = NativeTarget(targets[1]), _prompts()[2]
+    plain = greedy_decode(target, prompt, 20)
+    steps = speculative_stream(target, prompt, 20, None)
+    next(steps), next(steps)
+    steps.close()
+    assert greedy_decode(target, prompt, 20) == plain
 
 
 def test_rollback(targets):

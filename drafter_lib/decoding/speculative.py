@@ -18,12 +18,13 @@ import contextlib
 import inspect
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
 
+from drafter_lib.common.chat import cut_at_stop
 from drafter_lib.common.checks import check_token_ids
 from drafter_lib.decoding.target_matmul import hold_linears
 from drafter_lib.decoding.tree import DraftTree, accept_tree, attention_mask, check_bounds, verify_positions
@@ -310,6 +311,17 @@ def as_target(model) -> Target:
 
 
 @dataclass
+class SpecStep:
+    """One target step of `speculative_stream`: the tokens it added (the accepted draft tokens, then the target's
+    own; cut after a stop token or at max_new_tokens) and what was drafted and accepted."""
+    tokens: list[int]
+    accepted: int  # draft tokens accepted
+    drafted: int  # draft tokens proposed (a tree's nodes)
+    draft_seconds: float = 0.0  # spent in the drafter
+    verify_seconds: float = 0.0  # spent in the target (its pass, argmax and rollback)
+
+
+@dataclass
 class SpecResult:
     tokens: list[int]  # generated tokens only (prompt excluded); a stop token that ended the run is included
     accepted_lengths: list[int] = field(default_factory=list)  # draft tokens accepted, per target step
@@ -332,12 +344,33 @@ class SpecResult:
         # Counts tokens actually emitted: a last step cut short by a stop token or max_new_tokens counts what it kept.
         return mean_acceptance_length(len(self.tokens), self.steps)
 
+    def add(self, step: SpecStep) -> None:
+        self.tokens.extend(step.tokens)
+        self.accepted_lengths.append(step.accepted)
+        self.draft_lengths.append(step.drafted)
+        self.draft_seconds += step.draft_seconds
+        self.verify_seconds += step.verify_seconds
+
 
 def speculative_generate(target, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter | None = None,
                          k: int = 16, stop_ids: Iterable[int] = (), tree_budget: int | None = None) -> SpecResult:
     """Greedy decoding of `target` (a Target, transformers LM or `Transformer`), verifying up to k drafted tokens per
-    target forward pass. drafter=None is plain greedy decoding (one token per step), the baseline for speedup
-    and losslessness. Stops after a token in `stop_ids` or after `max_new_tokens` tokens.
+    target forward pass: `speculative_stream`'s steps collected. drafter=None is plain greedy decoding (one token
+    per step), the baseline for speedup and losslessness. Stops after a token in `stop_ids` or after
+    `max_new_tokens` tokens."""
+    t0 = time.perf_counter()
+    out = SpecResult(tokens=[])
+    for step in speculative_stream(target, prompt, max_new_tokens, drafter, k, stop_ids, tree_budget):
+        out.add(step)
+    out.seconds = time.perf_counter() - t0
+    return out
+
+
+def speculative_stream(target, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter | None = None,
+                       k: int = 16, stop_ids: Iterable[int] = (), tree_budget: int | None = None) -> Iterator[SpecStep]:
+    """The speculative loop, one `SpecStep` per target forward pass, so a caller can show tokens as they are
+    accepted (or stop early: the loop holds nothing that needs closing). Arguments as `speculative_generate`; they
+    are checked here, before the first step.
 
     Each step feeds the target the tokens not yet in its cache (the prompt, then the previous bonus token) plus
     the draft, then rolls its cache back to the accepted tokens; the bonus token enters with the next step.
@@ -349,66 +382,59 @@ def speculative_generate(target, prompt: Sequence[int], max_new_tokens: int, dra
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
     target = as_target(target)
-    vocab = target.vocab_size
-    seq = check_token_ids(list(prompt), vocab, "prompt")
-    stop = {int(s) for s in stop_ids}
-    out = SpecResult(tokens=[])
-    t0 = time.perf_counter()
+    seq = check_token_ids(list(prompt), target.vocab_size, "prompt")
+    return _steps(target, seq, max_new_tokens, drafter, k, {int(s) for s in stop_ids}, tree_budget)
+
+
+def _steps(target: Target, seq: list[int], max_new_tokens: int, drafter, k: int, stop: set[int],
+           tree_budget: int | None) -> Iterator[SpecStep]:
     target.reset()
-    while len(out.tokens) < max_new_tokens:
+    made = 0
+    while made < max_new_tokens:
         # No point drafting past the end: at most (remaining - 1) drafts + 1 bonus are still needed.
-        n_draft = min(k, max_new_tokens - len(out.tokens) - 1) if drafter is not None else 0
-        draft: list[int] = []
+        n_draft = min(k, max_new_tokens - made - 1) if drafter is not None else 0
         if tree_budget and n_draft > 0:
-            n = _tree_step(target, drafter, seq, tree_budget, n_draft, out)
-            draft = seq[len(seq) - n:]
-            for t in draft:
-                out.tokens.append(t)
-                if t in stop or len(out.tokens) >= max_new_tokens:
-                    out.seconds = time.perf_counter() - t0
-                    return out
-            continue
-        if n_draft > 0:
-            td = time.perf_counter()
-            draft = list(drafter.draft(list(seq), n_draft))[:n_draft]
-            out.draft_seconds += time.perf_counter() - td
-            if draft:
-                draft = check_token_ids(draft, vocab, "draft")
-        tv = time.perf_counter()
-        logits = target.score(seq[target.cached_len:] + draft, keep=len(draft) + 1)
-        n, bonus = accept_draft(draft, logits.argmax(-1).tolist())
-        target.rollback(len(seq) + n)
-        out.verify_seconds += time.perf_counter() - tv
-        out.accepted_lengths.append(n)
-        out.draft_lengths.append(len(draft))
-        for t in draft[:n] + [bonus]:
-            seq.append(t)
-            out.tokens.append(t)
-            if t in stop or len(out.tokens) >= max_new_tokens:
-                out.seconds = time.perf_counter() - t0
-                return out
-    out.seconds = time.perf_counter() - t0
-    return out
+            step = _tree_step(target, drafter, seq, tree_budget, n_draft)
+        else:
+            step = _chain_step(target, drafter, seq, n_draft)
+        seq.extend(step.tokens)
+        step.tokens = cut_at_stop(step.tokens, stop, max_new_tokens - made)
+        made += len(step.tokens)
+        yield step
+        if step.tokens[-1] in stop:
+            return
 
 
-def _tree_step(target: Target, drafter, seq: list[int], budget: int, max_depth: int, out: SpecResult) -> int:
-    """One tree step of `speculative_generate`: draft a tree, verify it in one pass, keep the accepted path. Appends
-    the accepted tokens and the bonus token to `seq` and the step's counts to `out`; returns how many it appended."""
+def _chain_step(target: Target, drafter, seq: list[int], n_draft: int) -> SpecStep:
+    """Draft up to `n_draft` tokens, verify them in one pass, keep the accepted ones; the step's tokens are the
+    accepted draft tokens and the bonus token (not yet appended to `seq`)."""
+    td = time.perf_counter()
+    draft: list[int] = []
+    if n_draft > 0:
+        draft = list(drafter.draft(list(seq), n_draft))[:n_draft]
+        if draft:
+            draft = check_token_ids(draft, target.vocab_size, "draft")
+    tv = time.perf_counter()
+    logits = target.score(seq[target.cached_len:] + draft, keep=len(draft) + 1)
+    n, bonus = accept_draft(draft, logits.argmax(-1).tolist())
+    target.rollback(len(seq) + n)
+    return SpecStep(draft[:n] + [bonus], accepted=n, drafted=len(draft), draft_seconds=tv - td,
+                    verify_seconds=time.perf_counter() - tv)
+
+
+def _tree_step(target: Target, drafter, seq: list[int], budget: int, max_depth: int) -> SpecStep:
+    """Draft a tree, verify it in one tree-attention pass, keep the accepted path; the step's tokens are the
+    path's tokens and the bonus token (not yet appended to `seq`)."""
     td = time.perf_counter()
     tree = drafter.draft_tree(list(seq), budget, max_depth)
-    out.draft_seconds += time.perf_counter() - td
+    tv = time.perf_counter()
     check_token_ids(list(tree.tokens), target.vocab_size, "draft tree")
     check_bounds(tree, budget, max_depth)
-    tv = time.perf_counter()
     logits = target.score_tree(seq[target.cached_len:], tree)
     path, bonus = accept_tree(tree, logits.argmax(-1).tolist())
     target.commit_tree(len(seq), path)
-    out.verify_seconds += time.perf_counter() - tv
-    out.accepted_lengths.append(len(path))
-    out.draft_lengths.append(len(tree))
-    new = [tree.tokens[i] for i in path] + [bonus]
-    seq.extend(new)
-    return len(new)
+    return SpecStep([tree.tokens[i] for i in path] + [bonus], accepted=len(path), drafted=len(tree),
+                    draft_seconds=tv - td, verify_seconds=time.perf_counter() - tv)
 
 
 def greedy_decode(target, prompt: Sequence[int], max_new_tokens: int, stop_ids: Iterable[int] = ()) -> list[int]:

@@ -1,0 +1,164 @@
+"""Text generation on a `TargetRuntime`: a prompt in, text out as the speculative loop accepts it, and the numbers a
+user sees (tokens in and out, why it stopped, tokens per target step).
+
+`specdraft-generate` and the server's OpenAI-compatible endpoints both iterate a `TextGeneration`: one `TextDelta`
+per target step, the last one with its finish reason ("stop": a stop token or stop string; "length": `max_tokens`
+or the end of the context). Decoding is greedy, so the text is the target's own plain greedy answer, decoded
+(`text_stream.py`), whatever drafts the drafter proposes; only the speed depends on them.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from drafter_lib.common.chat import encode_chat
+from drafter_lib.common.checks import check_token_ids
+from drafter_lib.decoding.runtime import TargetRuntime
+from drafter_lib.decoding.speculative import mean_acceptance_length, speculative_stream
+from drafter_lib.decoding.text_stream import TextStream, check_stop_strings
+
+
+class GenerationInputError(ValueError):
+    """A generation that cannot run as asked; `param` names the input at fault ("prompt", "max_tokens", "stop")."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int
+    completion_tokens: int = 0  # tokens generated, a stop token that ended the answer included
+    target_steps: int = 0  # target forward passes
+    draft_tokens: int = 0  # draft tokens proposed
+    accepted_tokens: int = 0  # of those, accepted by the target
+    seconds: float = 0.0  # from the first target step to the last
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per target step (plain decoding: 1.0); NaN before the first step."""
+        return mean_acceptance_length(self.completion_tokens, self.target_steps)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+@dataclass
+class TextDelta:
+    text: str  # text that became final with this step ("" while a character or a possible stop string is open)
+    finish_reason: str | None = None  # set on the last delta only
+
+
+def completion_prompt_ids(runtime: TargetRuntime, prompt: str | Sequence[int]) -> list[int]:
+    """A raw completion prompt as token ids: text through the tokenizer (which adds its special tokens, e.g. a BOS,
+    as it always does), or ids checked against the target's vocabulary."""
+    if isinstance(prompt, str):
+        ids = [int(t) for t in runtime.tokenizer.encode(prompt)]
+        if not ids:
+            raise GenerationInputError("prompt is empty", "prompt")
+        return ids
+    try:
+        return check_token_ids(list(prompt), runtime.target.vocab_size, "prompt")
+    except ValueError as e:
+        raise GenerationInputError(str(e), "prompt") from None
+
+
+def chat_prompt_ids(runtime: TargetRuntime, messages: list[dict]) -> list[int]:
+    """Chat messages through the tokenizer's chat template, ending with the assistant's header."""
+    if not messages:
+        raise GenerationInputError("messages must hold at least one message", "messages")
+    try:
+        return encode_chat(runtime.tokenizer, messages)
+    except Exception as e:  # noqa: BLE001 - a template's own check (e.g. roles that must alternate) is the user's
+        raise GenerationInputError(f"the chat template refused the messages: {e}", "messages") from None
+
+
+class BoundedDrafter:
+    """A drafter asked for no more tokens than its own context holds (a DraftEngine refuses more), with fixed draft
+    options (e.g. `min_confidence`): the target's context may be longer than the drafter's."""
+
+    def __init__(self, drafter, max_context: int | None = None, **options):
+        self.drafter, self.options = drafter, options
+        self.max_context = max_context if max_context is not None else getattr(drafter, "max_context", None)
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        if self.max_context is not None:
+            k = min(k, self.max_context - len(tokens))
+        return list(self.drafter.draft(tokens, k, **self.options)) if k > 0 else []
+
+
+def drafter_for(runtime: TargetRuntime, engine, min_confidence: float | None = None) -> BoundedDrafter:
+    """A DraftEngine as the drafter of `runtime`'s target, checked to speak the same vocabulary. Its drafts stop
+    below `min_confidence`; None: the engine's default threshold, else the one its pack recommends (the setting
+    the pack's end-to-end speed-ups were measured at)."""
+    if int(engine.vocab_size) != int(runtime.target.vocab_size):
+        raise ValueError(f"the drafter's vocabulary ({engine.vocab_size} tokens) is not the target's "
+                         f"({runtime.target.vocab_size} tokens, {runtime.name}): it was packed for another target")
+    if min_confidence is None and getattr(engine, "min_confidence", None) is None:
+        min_confidence = engine.info().get("recommended_min_confidence")
+    return BoundedDrafter(engine, **({} if min_confidence is None else {"min_confidence": min_confidence}))
+
+
+class TextGeneration:
+    """One greedy generation of `runtime` after `prompt` (token ids): iterate it for `TextDelta`s, one per target
+    step; `stats` counts as it goes and `finish_reason` is set at the end. At most `max_tokens` new tokens (None: up
+    to the end of the context); `stop`: up to 4 strings, the text ends before the first one that appears."""
+
+    def __init__(self, runtime: TargetRuntime, prompt: Sequence[int], max_tokens: int | None = None, drafter=None,
+                 k: int = 16, stop: str | Sequence[str] | None = None):
+        self.runtime, self.prompt, self.drafter, self.k = runtime, list(prompt), drafter, k
+        room = runtime.context_length - len(self.prompt)
+        if not self.prompt:
+            raise GenerationInputError("prompt is empty", "prompt")
+        if room < 1:
+            raise GenerationInputError(f"the prompt is {len(self.prompt)} tokens long and leaves no room for an "
+                                       f"answer: {runtime.name}'s context is {runtime.context_length} tokens",
+                                       "prompt")
+        if max_tokens is not None and max_tokens < 1:
+            raise GenerationInputError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        if max_tokens is not None and max_tokens > room:
+            raise GenerationInputError(f"max_tokens={max_tokens} does not fit: the prompt is {len(self.prompt)} "
+                                       f"tokens and {runtime.name}'s context is {runtime.context_length}, so at "
+                                       f"most {room} new tokens", "max_tokens")
+        self.max_tokens = room if max_tokens is None else max_tokens
+        try:
+            self.stop = check_stop_strings(stop)
+        except ValueError as e:
+            raise GenerationInputError(str(e), "stop") from None
+        self.stats = GenerationStats(prompt_tokens=len(self.prompt))
+        self.finish_reason: str | None = None
+
+    def __iter__(self) -> Iterator[TextDelta]:
+        stop_ids = set(self.runtime.stop_ids)
+        text = TextStream(self.runtime.tokenizer, self.stop)
+        stats, t0 = self.stats, time.perf_counter()
+        for step in speculative_stream(self.runtime.target, self.prompt, self.max_tokens, self.drafter, self.k,
+                                       stop_ids):
+            stats.target_steps += 1
+            stats.draft_tokens += step.drafted
+            stats.accepted_tokens += step.accepted
+            parts = []
+            for token in step.tokens:
+                stats.completion_tokens += 1
+                if token in stop_ids:  # the end of the answer: its text is not part of it
+                    parts.append(text.finish())
+                    self.finish_reason = "stop"
+                    break
+                parts.append(text.push(token))
+                if text.stopped:
+                    self.finish_reason = "stop"
+                    break
+            stats.seconds = time.perf_counter() - t0
+            if self.finish_reason:
+                yield TextDelta("".join(parts), self.finish_reason)
+                return
+            yield TextDelta("".join(parts))
+        self.finish_reason = "length"
+        yield TextDelta(text.finish(), self.finish_reason)
+
+    def text(self) -> str:
+        """Run to the end; the whole text."""
+        return "".join(d.text for d in self)

@@ -1,0 +1,194 @@
+"""The text of a token stream cut at stop strings (TextStream) and text generation on a TargetRuntime
+(TextGeneration), on a tiny random target with the byte tokenizer. The streaming loop beneath: test_speculative.py."""
+
+from __future__ import annotations
+
+import pytest
+from target_helpers import CONTEXT, VOCAB, decoded, reference, stop_string_in, tiny_target_model
+
+from drafter_lib.decoding.speculative import FnDrafter
+from drafter_lib.decoding.text_stream import TextStream, check_stop_strings
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    from drafter_lib.decoding.runtime import runtime_from_model
+    from drafter_lib.model.transformer import Transformer
+
+    model, tokenizer = tiny_target_model()
+    return runtime_from_model(Transformer.from_hf_model(model), tokenizer, "tiny", numerics="fp32")
+
+
+def _oracle(prompt, answer, wrong_every=0):
+    """Drafts the target's own answer, wrong wherever (context length + position) % wrong_every == 0."""
+    full = list(prompt) + list(answer)
+    return FnDrafter(lambda toks, k: [(t + 1) % VOCAB if wrong_every and (len(toks) + j) % wrong_every == 0 else t
+                                      for j, t in enumerate(full[len(toks):len(toks) + k])])
+
+
+# ------------------------------------------------------------------ text of a token stream
+
+
+def _streamed(tokenizer, tokens, stop=None) -> tuple[list[str], TextStream]:
+    stream = TextStream(tokenizer, stop)
+    parts = [stream.push(t) for t in tokens]
+    return parts + [stream.finish()], stream
+
+
+@pytest.mark.parametrize("text", ["plain ascii", "é à ü: two bytes each", "snow ☃ and 🦙 emoji", "日本語のテキスト"])
+def test_streamed_text_adds_up_to_the_decoded_whole_and_never_splits_a_character(runtime, text):
+    tok = runtime.tokenizer
+    tokens = tok.encode(text)
+    parts, _ = _streamed(tok, tokens)
+    assert "".join(parts) == decoded(tok, tokens) == text
+    assert not any("\ufffd" in p for p in parts)  # a character cut between tokens waits for its last byte
+    if not text.isascii():
+        assert "" in parts[:-1]
+
+
+def test_special_tokens_and_invalid_bytes_decode_as_the_whole_does(runtime):
+    tok = runtime.tokenizer
+    im_start, im_end = tok.convert_tokens_to_ids("<|im_start|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    lone_lead_byte = tok.encode("é")[:1]  # decodes to a replacement character, in the whole as in the stream
+    tokens = [im_start] + tok.encode("a") + lone_lead_byte + tok.encode("b") + [im_end]
+    parts, _ = _streamed(tok, tokens)
+    assert "".join(parts) == decoded(tok, tokens) == "a\ufffdb"
+
+
+def test_stop_strings_cut_the_text_before_them_even_across_tokens(runtime):
+    tok = runtime.tokenizer
+    tokens = tok.encode("one, two; three. END four")
+    for stop, expected in [("END", "one, two; three. "), (["; t", "."], "one, two"), ("one", ""),
+                           ("e.", "one, two; thre"), ("absent", "one, two; three. END four"),
+                           ("fourr", "one, two; three. END four")]:
+        parts, stream = _streamed(tok, tokens, stop)
+        assert "".join(parts) == expected, stop
+        assert stream.stopped == (expected != "one, two; three. END four")
+    # text that could start a stop string is held back until it cannot, then released
+    stream = TextStream(tok, "ENDING")
+    assert [stream.push(t) for t in tok.encode("a END")] == ["a", " ", "", "", ""]
+    assert stream.push(tok.encode("!")[0]) == "END!" and stream.finish() == ""
+    stream = TextStream(tok, "ENDING")
+    [stream.push(t) for t in tok.encode("tail EN")]
+    assert stream.finish() == "EN"
+
+
+def test_stop_strings_are_checked():
+    assert check_stop_strings(None) == [] and check_stop_strings("x") == ["x"] and check_stop_strings([]) == []
+    with pytest.raises(ValueError, match="at most 4"):
+        check_stop_strings(["a", "b", "c", "d", "e"])
+    with pytest.raises(ValueError, match="non-empty"):
+        check_stop_strings(["a", ""])
+    with pytest.raises(ValueError, match="non-empty"):
+        check_stop_strings([3])
+
+
+# ------------------------------------------------------------------ text generation on a runtime
+
+
+def _generate(runtime, prompt_ids, max_tokens, drafter=None, stop=None):
+    from drafter_lib.decoding.text_generation import TextGeneration
+
+    gen = TextGeneration(runtime, prompt_ids, max_tokens, drafter, k=8, stop=stop)
+    deltas = list(gen)
+    assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+    assert deltas[-1].finish_reason == gen.finish_reason
+    return "".join(d.text for d in deltas), gen
+
+
+def test_generation_is_the_targets_greedy_text_with_any_drafter(runtime):
+    from drafter_lib.decoding.text_generation import chat_prompt_ids, completion_prompt_ids
+
+    for ids in (completion_prompt_ids(runtime, "Once upon"), chat_prompt_ids(runtime, [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}])):
+        text, tokens, finish = reference(runtime, ids, 32)
+        for drafter in (None, _oracle(ids, tokens), _oracle(ids, tokens, 4)):
+            out, gen = _generate(runtime, ids, 32, drafter)
+            assert out == text and gen.finish_reason == finish
+            s = gen.stats
+            assert (s.prompt_tokens, s.completion_tokens) == (len(ids), len(tokens))
+            assert s.mean_acceptance_length == pytest.approx(len(tokens) / s.target_steps)
+            assert s.accepted_tokens <= s.draft_tokens and s.seconds > 0
+            if drafter is None:
+                assert s.target_steps == len(tokens) and s.draft_tokens == 0
+
+
+def test_generation_ends_at_a_stop_token_without_its_text(runtime):
+    """A runtime whose end-of-turn token is one its greedy answer reaches: finish "stop", the token counted in the
+    usage but not in the text."""
+    import dataclasses
+
+    from drafter_lib.decoding.text_generation import completion_prompt_ids
+
+    ids = completion_prompt_ids(runtime, "Stop token")
+    _, plain, _ = reference(runtime, ids, 24)
+    ends = dataclasses.replace(runtime, stop_ids=(plain[12],))
+    text, tokens, finish = reference(ends, ids, 24)
+    assert finish == "stop" and tokens == plain[:plain.index(plain[12]) + 1]
+    out, gen = _generate(ends, ids, 24, _oracle(ids, plain, 5))
+    assert (out, gen.finish_reason, gen.stats.completion_tokens) == (text, "stop", len(tokens))
+    assert text == decoded(runtime.tokenizer, tokens[:-1])
+
+
+def test_generation_cut_by_a_stop_string_counts_the_tokens_up_to_it(runtime):
+    from drafter_lib.decoding.text_generation import completion_prompt_ids
+
+    ids = completion_prompt_ids(runtime, "Cut me short")
+    text, tokens, _ = reference(runtime, ids, 60)
+    stop, i = stop_string_in(text, start=len(text) // 3)
+    needed = next(n for n in range(1, len(tokens) + 1) if stop in decoded(runtime.tokenizer, tokens[:n]))
+    for drafter in (None, _oracle(ids, tokens)):
+        out, gen = _generate(runtime, ids, 60, drafter, stop=["\x00never", stop])
+        assert out == text[:i] and gen.finish_reason == "stop"
+        assert gen.stats.completion_tokens == needed  # however many tokens the drafter got accepted past it
+
+
+def test_generation_checks_its_lengths(runtime):
+    from drafter_lib.decoding.text_generation import (
+        GenerationInputError,
+        TextGeneration,
+        chat_prompt_ids,
+        completion_prompt_ids,
+    )
+
+    def error(fn, *args, **kw):
+        with pytest.raises(GenerationInputError) as e:
+            fn(*args, **kw)
+        return e.value.param, str(e.value)
+
+    assert error(TextGeneration, runtime, [1] * CONTEXT)[0] == "prompt"
+    param, msg = error(TextGeneration, runtime, [1] * (CONTEXT - 10), 11)
+    assert param == "max_tokens" and "at most 10 new tokens" in msg
+    assert error(TextGeneration, runtime, [1], 0)[0] == "max_tokens"
+    assert error(TextGeneration, runtime, [1], 4, stop=["a"] * 5)[0] == "stop"
+    assert error(completion_prompt_ids, runtime, "")[0] == "prompt"
+    assert error(completion_prompt_ids, runtime, [1, VOCAB])[0] == "prompt"
+    assert error(chat_prompt_ids, runtime, [])[0] == "messages"
+    # without max_tokens: up to the end of the context
+    gen = TextGeneration(runtime, [1] * (CONTEXT - 3))
+    assert gen.max_tokens == 3 and len(list(gen)) >= 1 and gen.stats.completion_tokens <= 3
+
+
+def test_bounded_drafter_asks_no_more_than_the_drafters_context_holds(runtime):
+    from drafter_lib.decoding.text_generation import BoundedDrafter, drafter_for
+
+    asked = []
+
+    class Engine:
+        vocab_size, max_context, min_confidence = VOCAB, 20, None
+
+        def draft(self, tokens, k, **options):
+            asked.append((len(tokens), k, options))
+            return [1] * k
+
+        def info(self):
+            return {"recommended_min_confidence": 0.4}
+
+    bounded = BoundedDrafter(Engine(), min_confidence=0.3)
+    assert bounded.draft([0] * 10, 16) == [1] * 10 and bounded.draft([0] * 20, 16) == []
+    assert asked == [(10, 10, {"min_confidence": 0.3})]
+    assert drafter_for(runtime, Engine()).options == {"min_confidence": 0.4}  # the pack's recommendation
+    assert drafter_for(runtime, Engine(), 0.0).options == {"min_confidence": 0.0}
+    Engine.vocab_size = VOCAB + 1
+    with pytest.raises(ValueError, match="vocabulary"):
+        drafter_for(runtime, Engine())

@@ -18,6 +18,11 @@ requests already in flight are finished, new ones get 503 (Connection: close) an
 once nothing is in flight, or after SHUTDOWN_TIMEOUT_S, the server stops and the process exits 0. A second
 signal stops at once. A model that fails to load stops the server with exit status 1.
 
+With a target (TARGET: a target spec or a Hugging Face folder), the target loads on the same thread after the
+drafter, and the app also serves OpenAI's /v1/models, /v1/completions and /v1/chat/completions (openai_api.py):
+the target's greedy answers, drafted by the drafter, one generation at a time on the engine thread, under the same
+bounds (MAX_QUEUE, REQUEST_TIMEOUT_S, the drain, API keys). Without one the server is the drafter alone.
+
 Settings, authentication and the loopback rule: settings.py. Request ids and logs: logs.py. An unexpected error
 answers 500 with a generic message and the request id; the details go to the log.
 """
@@ -40,9 +45,11 @@ from drafter_lib.common.checks import check_token_ids
 from drafter_lib.common.files import to_jsonable
 from drafter_lib.serve.auth import BearerAuth
 from drafter_lib.serve.batching import EngineThread, MicroBatcher, Overloaded
+from drafter_lib.serve.generations import GenerationRunner
 from drafter_lib.serve.json_errors import send_json_error
 from drafter_lib.serve.logs import RequestIds, configure_logging
 from drafter_lib.serve.metrics import Metrics
+from drafter_lib.serve.openai_api import add_openai_routes
 from drafter_lib.serve.schema import (
     DEFAULT_DRAFT_TOKENS,
     DraftResponse,
@@ -69,14 +76,27 @@ class ServeState:
     load_s: float | None = None
     load_error: str | None = None  # loading failed: the server stops
     draining: bool = False
-    inflight: int = 0  # POST /draft requests inside the handler
+    inflight: int = 0  # POST /draft and /v1 requests inside the handler
     metrics: Metrics = field(default_factory=Metrics)
+    runtime: object = None  # the target's TargetRuntime, when the server has one (TARGET)
+    generation_drafter: object = None  # the engine as the drafter of the target's generations
+    generations: object = None  # the GenerationRunner of the /v1 endpoints, when the server has a target
 
-    def ready(self, engine, load_s: float) -> None:
-        """The drafter the routes use from now on."""
+    def ready(self, engine, load_s: float, runtime=None) -> None:
+        """The drafter (and the target, if any) the routes use from now on."""
+        if runtime is not None:
+            from drafter_lib.decoding.text_generation import drafter_for
+
+            self.generation_drafter = drafter_for(runtime, engine)
+            self.runtime = runtime
         self.run_batch, self.load_s = _trimming(engine), load_s
         self.run_tree = _trimming(engine, tree=True)
         self.engine = engine  # last: a route that sees it finds run_batch set
+
+    @property
+    def busy(self) -> bool:
+        """Requests in a handler, or generations queued or running: what a drain waits for."""
+        return self.inflight > 0 or (self.generations is not None and not self.generations.idle)
 
     @property
     def status(self) -> str:
@@ -104,10 +124,10 @@ class BodySizeLimit:
             try:
                 n = int(declared)
             except ValueError:
-                return await _send_error(send, 400, f"invalid Content-Length header: {declared[:32]!r}")
+                return await _send_error(send, 400, f"invalid Content-Length header: {declared[:32]!r}", scope)
             if n > self.max_bytes:
                 return await _send_error(send, 413, f"request body of {n} bytes exceeds the limit of "
-                                                    f"{self.max_bytes} bytes")
+                                                    f"{self.max_bytes} bytes", scope)
         chunks, size = [], 0  # read the whole (bounded) body here, then replay it to the app
         while True:
             message = await receive()
@@ -116,7 +136,8 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await _send_error(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes")
+                return await _send_error(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes",
+                                         scope)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -133,8 +154,9 @@ class BodySizeLimit:
         return await self.app(scope, replay, send)
 
 
-async def _send_error(send, status: int, message: str) -> None:
-    await send_json_error(send, status, message, ((b"connection", b"close"),))  # the rest of the body is unread
+async def _send_error(send, status: int, message: str, scope) -> None:
+    # the rest of the body is unread: close the connection
+    await send_json_error(send, status, message, ((b"connection", b"close"),), path=scope.get("path", ""))
 
 
 # ---------------------------------------------------------------- app
@@ -200,31 +222,55 @@ def limits_of_dir(model_dir: str | Path) -> Limits:
                          f"({type(e).__name__}: {e}); set MODEL_DIR or publish a model with notebooks/04_pack") from e
 
 
-def _load_into(state: ServeState, settings: Settings) -> None:
-    """On the engine thread: load the drafter, then make it the one the routes use (or record why not)."""
+def load_target(settings: Settings):
+    """The TargetRuntime of TARGET, with TARGET_NUMERICS."""
+    from drafter_lib.decoding.runtime import load_target_runtime
+
+    runtime = load_target_runtime(settings.target, numerics=settings.target_numerics)
+    runtime.name = settings.target_name  # the served model name: no machine path
+    _release_freed_memory()
+    return runtime
+
+
+def _load_into(state: ServeState, settings: Settings, engine=None) -> None:
+    """On the engine thread: load the drafter (unless given) and the target (if TARGET is set), then make them the
+    ones the routes use (or record why not)."""
     t0 = time.perf_counter()
-    log.info("loading the drafter from %s (weight formats are timed once per machine, then cached)",
-             Path(settings.model_dir).name)
+    what = "the drafter"
     try:
-        engine = load_engine(settings)
+        if engine is None:
+            log.info("loading the drafter from %s (weight formats are timed once per machine, then cached)",
+                     Path(settings.model_dir).name)
+            engine = load_engine(settings)
+        runtime = None
+        if settings.target is not None:
+            what = "the target"
+            log.info("loading the target %s (%s)", settings.target_name, settings.target_numerics)
+            runtime = load_target(settings)
+        state.ready(engine, time.perf_counter() - t0, runtime)
     except Exception as e:  # noqa: BLE001 - the server reports it and stops
         state.load_error = f"{type(e).__name__}: {e}"
-        log.exception("loading the drafter failed; stopping")
+        log.exception("loading %s failed; stopping", what)
         return
-    state.ready(engine, time.perf_counter() - t0)
-    log.info("ready in %.1f s: %s weights, %d-token vocabulary, context %d", state.load_s,
-             getattr(engine, "dtype", "?"), engine.vocab_size, engine.max_context)
+    log.info("ready in %.1f s: %s weights, %d-token vocabulary, context %d%s", state.load_s,
+             getattr(engine, "dtype", "?"), engine.vocab_size, engine.max_context,
+             f"; target {state.runtime.name}, context {state.runtime.context_length}" if state.runtime else "")
 
 
-def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
+def create_app(settings: Settings | None = None, engine=None, runtime=None) -> FastAPI:
     """The FastAPI app over `engine` (e.g. an fp baseline), or over MODEL_DIR's drafter, which starts loading on
-    the engine thread now; the app answers at once (503 "starting" until the drafter is ready)."""
+    the engine thread now; the app answers at once (503 "starting" until the drafter is ready). With a target
+    (`runtime`, a TargetRuntime, or TARGET, loaded on the engine thread after the drafter) it also serves the
+    OpenAI-compatible endpoints (openai_api.py)."""
     settings = settings or Settings.from_env()
     thread = EngineThread()  # loads the engine and runs every batch on it: one OpenMP team (batching.py)
     state = ServeState()
     if engine is not None:
         limits = Limits(int(engine.vocab_size), int(engine.max_context))
-        state.ready(engine, 0.0)
+        if runtime is not None or settings.target is None:
+            state.ready(engine, 0.0, runtime)
+        else:
+            thread.submit(_load_into, state, settings, engine)
     else:
         limits = limits_of_dir(settings.model_dir)
         thread.submit(_load_into, state, settings)
@@ -235,6 +281,10 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
                            executor=thread, run_tree=lambda tokens, **options: state.run_tree(tokens, **options))
     state.metrics.bind(batcher, lambda: state.engine, lambda: state.draining)
     started = time.time()
+    if runtime is not None or settings.target is not None:
+        state.generations = GenerationRunner(batcher.call_in_worker, settings.max_queue, settings.request_timeout_s,
+                                             lambda gen, reason: state.metrics.observe_generation(reason, gen.stats))
+        state.metrics.bind_generations(state.generations)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -242,6 +292,8 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
         try:
             yield
         finally:
+            if state.generations is not None:
+                await state.generations.stop()
             await batcher.stop(wait=state.engine is not None)  # a load in progress is not waited for
 
     app = FastAPI(title="specdraft drafter", version="0.2.0", lifespan=lifespan,
@@ -258,6 +310,9 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
+    if state.generations is not None:
+        add_openai_routes(app, state, state.generations, settings.target_name if runtime is None else runtime.name,
+                          int(started), DEFAULT_DRAFT_TOKENS)
 
     def unavailable(exc: Overloaded, t0: float) -> JSONResponse:
         state.metrics.observe(503, time.perf_counter() - t0, exc.reason)
@@ -381,6 +436,7 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
                 "batching": dict(batcher.stats),
                 "metrics": to_jsonable(state.metrics.snapshot()),
             },
+            **({} if state.runtime is None else {"target": target_info(state)}),
             # Evidence for "no network at serve time": hub clients never even get imported.
             "offline": {
                 "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE"),
@@ -390,6 +446,14 @@ def create_app(settings: Settings | None = None, engine=None) -> FastAPI:
         }
 
     return app
+
+
+def target_info(state: ServeState) -> dict:
+    """/info's `target` block: the model the /v1 endpoints serve and how its drafts are asked for."""
+    rt = state.runtime
+    return {"name": rt.name, "numerics": rt.numerics, "context_length": rt.context_length,
+            "vocab_size": rt.target.vocab_size, "draft_tokens": DEFAULT_DRAFT_TOKENS,
+            "min_confidence": state.generation_drafter.options.get("min_confidence")}
 
 
 # ---------------------------------------------------------------- serving with a drain on SIGTERM
@@ -414,7 +478,7 @@ def serve(app: FastAPI, settings: Settings) -> None:
 
         async def on_tick(self, counter: int) -> bool:
             st: ServeState = app.state.serve
-            if st.load_error or (st.draining and (st.inflight == 0 or time.monotonic() > self.deadline)):
+            if st.load_error or (st.draining and (not st.busy or time.monotonic() > self.deadline)):
                 self.should_exit = True
             return await super().on_tick(counter)
 

@@ -32,4 +32,4 @@ class BearerAuth:
                 or self.allowed(scope.get("headers") or []):
             return await self.app(scope, receive, send)
         await send_json_error(send, 401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                              ((b"www-authenticate", b"Bearer"),))
+                              ((b"www-authenticate", b"Bearer"),), path=scope.get("path", ""))

@@ -1,12 +1,32 @@
-"""The JSON error answer `{"error": message}` sent straight from ASGI middleware (body bound, keys, request ids),
-before or around the routes; the routes build the same shape with FastAPI's JSONResponse (app.py `_error`)."""
+"""The JSON error answers: `{"error": message}` on the drafter's own endpoints, and OpenAI's
+`{"error": {"message", "type", "param", "code"}}` under /v1/, whose clients read that shape. The middleware (body
+bound, keys, request ids) sends them straight from ASGI, before or around the routes; the routes build the same
+shapes with FastAPI's JSONResponse (app.py `_error`, openai_schema.ApiError)."""
 from __future__ import annotations
 
 import json
 
+OPENAI_PREFIX = "/v1/"
+# OpenAI's error type and code for the statuses the middleware sends
+_OPENAI_KINDS = {401: ("invalid_request_error", "invalid_api_key"), 413: ("invalid_request_error", "request_too_large")}
 
-async def send_json_error(send, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    body = json.dumps({"error": message}).encode()
+
+def openai_error(message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_body(status: int, message: str, path: str = "") -> dict:
+    """The error answer's body for a request to `path`."""
+    if not path.startswith(OPENAI_PREFIX):
+        return {"error": message}
+    kind, code = _OPENAI_KINDS.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
+    return openai_error(message, kind, None, code)
+
+
+async def send_json_error(send, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = (),
+                          path: str = "") -> None:
+    body = json.dumps(error_body(status, message, path)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})

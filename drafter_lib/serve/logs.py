@@ -104,7 +104,7 @@ class RequestIds:
             if status["code"] is not None:  # the answer had begun: nothing clean left to send
                 raise
             await send_json_error(send_with_id, 500, f"internal error (request id {rid}); the server log has the "
-                                  "details")
+                                  "details", path=scope.get("path", ""))
         finally:
             ms = (time.perf_counter() - t0) * 1e3
             access_log.info("%s %s %s %.1f ms", scope.get("method"), scope.get("path"), status["code"], ms,

@@ -13,6 +13,18 @@ Observed per request (app.py calls `observe` for every /draft answer and `observ
   specdraft:tree_nodes                          histogram: nodes of each answered tree request (its _count: the tree
                                                 requests answered; `draft_tokens` counts their first chains)
 
+Observed per generation, when the server serves a target (openai_api.py calls `observe_openai` for every /v1
+completions answer and `observe_generation` for each generation that ran):
+  specdraft:openai_requests_total{status, reason}   counter: /v1/completions and /v1/chat/completions answers by
+                                                HTTP status (a stream counts when it starts); `reason` for 503s
+  specdraft:generations_total{finish_reason}    counter: generations that ran, by how they ended (stop, length;
+                                                abandoned: the client went away; error)
+  specdraft:prompt_tokens_total                 counter: prompt tokens of those generations
+  specdraft:generation_tokens_total             counter: tokens they generated
+  specdraft:generation_target_steps_total       counter: their target forward passes (tokens / steps = the mean
+                                                acceptance length)
+  specdraft:generations_waiting / _running      gauges, read at scrape time from the runner `bind_generations` gave
+
 Read at scrape time from what `bind` gave (the batcher's and the engine's counters are plain numbers, read on the
 event loop without touching the engine's thread):
   specdraft:batch_size                          histogram: requests per engine forward batch (one observation per
@@ -123,12 +135,13 @@ def _histogram_stats(hist: Histogram, scale: float = 1.0, digits: int = 3) -> di
 
 
 class _ServerState:
-    """The collector of what is read at scrape time: the batcher's queue and batch sizes, draining, and the
-    engine's prefix-cache counters. Yields nothing until bound."""
+    """The collector of what is read at scrape time: the batcher's queue and batch sizes, draining, the
+    generations waiting and running, and the engine's prefix-cache counters. Yields nothing until bound."""
 
     def __init__(self):
         self.bound = False
         self.batcher = None
+        self.generations = None
         self.engine = None
         self.draining: Callable[[], bool] = lambda: False
 
@@ -153,6 +166,12 @@ class _ServerState:
                                         sum_value=sum(size * n for size, n in sizes.items()))
         yield GaugeMetricFamily(PREFIX + "draining", "1 while shutting down (new requests get 503).",
                                 value=int(bool(self.draining())))
+        g = self.generations
+        if g is not None:
+            yield GaugeMetricFamily(PREFIX + "generations_waiting", "Generations waiting for the one running "
+                                    "(bounded by MAX_QUEUE).", value=g.waiting)
+            yield GaugeMetricFamily(PREFIX + "generations_running", "Generations running (at most 1).",
+                                    value=g.running)
         engine = self.current_engine()
         cache = engine.cache_info() if hasattr(engine, "cache_info") else {}
         for key, (name, doc) in CACHE_GAUGES.items():
@@ -183,9 +202,20 @@ class Metrics:
                                           registry=reg)
         self.tree_nodes = Histogram(PREFIX + "tree_nodes", "Nodes per answered draft-tree request.",
                                     buckets=TREE_BUCKETS, registry=reg)
-        self.requests.labels(status="200", reason="")  # known series start at 0, so rate() sees their first one
-        for reason in REASONS:
-            self.requests.labels(status="503", reason=reason)
+        self.openai_requests = Counter(PREFIX + "openai_requests", "/v1/completions and /v1/chat/completions "
+                                       "answers by HTTP status (reason: why a 503).", ["status", "reason"],
+                                       registry=reg)
+        self.generations = Counter(PREFIX + "generations", "Generations that ran, by how they ended (stop, length; "
+                                   "abandoned: the client went away; error).", ["finish_reason"], registry=reg)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of the generations that ran.",
+                                     registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=reg)
+        self.generation_steps = Counter(PREFIX + "generation_target_steps", "Target forward passes of generations "
+                                        "(generation_tokens / this = mean acceptance length).", registry=reg)
+        for counter in (self.requests, self.openai_requests):  # known series start at 0, so rate() sees their first
+            counter.labels(status="200", reason="")
+            for reason in REASONS:
+                counter.labels(status="503", reason=reason)
         self._state = _ServerState()
         reg.register(self._state)
         ProcessCollector(registry=reg)  # process_resident_memory_bytes etc. (Linux: it yields nothing without /proc)
@@ -196,6 +226,21 @@ class Metrics:
         self._state.batcher, self._state.engine, self._state.bound = batcher, engine, True
         if draining is not None:
             self._state.draining = draining
+
+    def bind_generations(self, runner) -> None:
+        """The GenerationRunner whose queue the generation gauges read."""
+        self._state.generations = runner
+
+    def observe_openai(self, status: int, reason: str | None = None) -> None:
+        """Every /v1 completions answer: its HTTP status, and for a 503 the reason."""
+        self.openai_requests.labels(status=str(status), reason=reason or "").inc()
+
+    def observe_generation(self, finish_reason: str, stats) -> None:
+        """Each generation that ran: how it ended and its GenerationStats (tokens in and out, target steps)."""
+        self.generations.labels(finish_reason=finish_reason).inc()
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.generation_tokens.inc(stats.completion_tokens)
+        self.generation_steps.inc(stats.target_steps)
 
     def observe(self, status: int, seconds: float, reason: str | None = None) -> None:
         """Every /draft answer: its HTTP status, the seconds it took, and for a 503 the reason."""

@@ -11,13 +11,15 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from drafter_lib.common.layout import MODEL_DIR
 from drafter_lib.packed.config_keys import ENGINE_DTYPES, RECOMMENDED, check_min_confidence
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# decoding/runtime.py's NUMERICS, spelled out so that reading the settings imports no torch (a test keeps them equal)
+TARGET_NUMERICS = ("w8a8", "fp32")
 LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 
@@ -53,16 +55,20 @@ class Settings(BaseSettings):
     # threshold of requests that set no min_confidence: None = off (exactly num_draft_tokens tokens), a number in
     # [0, 1], or "recommended" (the model dir's draft_min_confidence)
     default_min_confidence: float | Literal[RECOMMENDED] | None = None
+    # the target model of the OpenAI-compatible endpoints (openai_api.py): a target spec (`smollm2-135m-instruct`) or
+    # a Hugging Face folder; unset: the drafter alone, as before. TARGET_DIR is the same setting.
+    target: str | None = Field(None, validation_alias=AliasChoices("target", "target_dir"))
+    target_numerics: Literal[TARGET_NUMERICS] = "w8a8"  # how its linears multiply (decoding/runtime.py)
     api_key: SecretStr | None = None
     api_keys_file: Path | None = None
     behind_auth_proxy: bool = False
 
-    @field_validator("log_level", "log_format", "engine_dtype", mode="before")
+    @field_validator("log_level", "log_format", "engine_dtype", "target_numerics", mode="before")
     @classmethod
     def _lower_case_words(cls, value):
         return value.strip().lower() if isinstance(value, str) else value
 
-    @field_validator("api_key", "engine_dtype", "shutdown_timeout_s", "api_keys_file", mode="before")
+    @field_validator("api_key", "engine_dtype", "shutdown_timeout_s", "api_keys_file", "target", mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         return None if isinstance(value, str) and not value.strip() else value
@@ -101,6 +107,14 @@ class Settings(BaseSettings):
     def drain_s(self) -> float:
         return self.request_timeout_s + 5 if self.shutdown_timeout_s is None else self.shutdown_timeout_s
 
+    @property
+    def target_name(self) -> str | None:
+        """The served target's model name: a folder's own name (no machine path), else the spec as given."""
+        if self.target is None:
+            return None
+        path = Path(self.target)
+        return path.name if path.is_dir() else self.target
+
     def api_keys(self) -> list[str]:
         """The accepted bearer keys (empty: no authentication)."""
         keys = [self.api_key.get_secret_value()] if self.api_key else []
@@ -112,8 +126,9 @@ class Settings(BaseSettings):
 
     def public(self) -> dict:
         """What /info may show: no keys, no machine paths."""
-        hidden = {"api_key", "api_keys_file", "model_dir"}
-        return {"model": Path(self.model_dir).name, "auth": "bearer" if self.api_keys() else "none",
+        hidden = {"api_key", "api_keys_file", "model_dir", "target"}
+        return {"model": Path(self.model_dir).name, "target": self.target_name,
+                "auth": "bearer" if self.api_keys() else "none",
                 **{k: v for k, v in self.model_dump().items() if k not in hidden}, "shutdown_timeout_s": self.drain_s}
 
 

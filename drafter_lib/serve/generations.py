@@ -1,0 +1,135 @@
+"""Text generations on the engine thread: one at a time, one target step per call, handed over through a queue.
+
+The target and the drafter run on the worker thread that loaded the drafter (batching.EngineThread: one OpenMP team
+per process). A generation advances one target step per call to that thread, so /draft batches queued meanwhile
+run between its steps instead of after the whole answer; and its text goes into an asyncio queue, so a slow client
+reading a stream never holds the thread: the generation runs on, at the target's pace, and the client reads
+behind it.
+
+One generation runs at a time (the target has one KV cache). Waiting ones are bounded like /draft requests: at
+most `max_queue` wait (the next gets `Overloaded("queue_full")`, a 503), and one that has not started within
+`request_timeout_s` gets `Overloaded("timeout")`. Once started, a generation runs to its end (its `max_tokens`
+bound it), unless its client goes away: then it stops after the current step.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterable
+
+from drafter_lib.serve.batching import MAX_RETRY_AFTER_S, Overloaded
+
+_END = object()
+
+
+class GenerationStream:
+    """The deltas of a running generation, in order: `async for delta in stream`. Raises what the generation
+    raised. `abandon()` (the client went away) stops the generation after its current step."""
+
+    def __init__(self):
+        self._queue: asyncio.Queue = asyncio.Queue()  # unbounded: at most max_tokens deltas
+        self.abandoned = False
+
+    def abandon(self) -> None:
+        self.abandoned = True
+
+    def put(self, item) -> None:
+        """A delta, an exception to raise to the reader, or the end."""
+        self._queue.put_nowait(item)
+
+    def __aiter__(self):
+        return self._deltas()
+
+    async def _deltas(self):
+        while (item := await self._queue.get()) is not _END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+class GenerationRunner:
+    """Runs generations (iterables of deltas whose `__next__` does one target step) on the engine thread through
+    `call_in_worker`. A request counts as waiting from its admission (its prompt's tokenization, on the engine
+    thread too, included), so a full queue is refused at once however busy the thread is. `on_finish(generation,
+    reason)` is told how each ended: its own finish reason, "abandoned" or "error"."""
+
+    def __init__(self, call_in_worker: Callable[..., Awaitable], max_queue: int | None = None,
+                 request_timeout_s: float | None = None, on_finish: Callable | None = None):
+        self.call_in_worker = call_in_worker
+        self.max_queue, self.request_timeout_s = max_queue, request_timeout_s
+        self.on_finish = on_finish or (lambda generation, reason: None)
+        self.waiting = 0  # admitted, waiting for the running one to end
+        self.running = 0  # 0 or 1
+        self.closed = False
+        self._slot = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
+        self._mean_s = 0.0  # moving average of a generation's seconds (Retry-After)
+
+    @property
+    def idle(self) -> bool:
+        return self.waiting == 0 and self.running == 0
+
+    def retry_after_s(self) -> int:
+        return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil((self.waiting + 1) * self._mean_s))))
+
+    async def start(self, prepare: Callable[[], Iterable]) -> tuple[Iterable, GenerationStream]:
+        """Admit a generation (a full queue: `Overloaded` at once), make it with `prepare()` on the engine thread (it
+        may raise: the request's own error), wait for the running one to end (`Overloaded` once REQUEST_TIMEOUT_S
+        has passed since admission), then run it in the background. Returns (generation, its stream)."""
+        if self.closed:
+            raise Overloaded("shutting_down", "server is shutting down", 1)
+        if self.max_queue is not None and self.waiting >= self.max_queue:
+            raise Overloaded("queue_full", f"server overloaded: {self.waiting} generations already queued "
+                                           f"(MAX_QUEUE={self.max_queue})", self.retry_after_s())
+        self.waiting += 1
+        deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
+        try:
+            generation = await self._before(deadline, self.call_in_worker(prepare))
+            await self._before(deadline, self._slot.acquire())
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        stream = GenerationStream()
+        task = asyncio.create_task(self._run(generation, stream), name="generation")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return generation, stream
+
+    async def _before(self, deadline: float | None, awaitable):
+        try:
+            return await asyncio.wait_for(awaitable, None if deadline is None else max(0.0, deadline -
+                                                                                        time.monotonic()))
+        except asyncio.TimeoutError:
+            raise Overloaded("timeout", f"generation not started within REQUEST_TIMEOUT_S="
+                                        f"{self.request_timeout_s:g} s", self.retry_after_s()) from None
+
+    async def _run(self, generation: Iterable, stream: GenerationStream) -> None:
+        t0, reason = time.perf_counter(), "error"
+        try:
+            steps = iter(generation)
+            while not stream.abandoned:
+                delta = await self.call_in_worker(next, steps, _END)
+                if delta is _END:
+                    break
+                stream.put(delta)
+            reason = "abandoned" if stream.abandoned else getattr(generation, "finish_reason", None) or "length"
+        except asyncio.CancelledError:  # stop(): the server is going away
+            stream.put(Overloaded("shutting_down", "server stopped during the generation"))
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            stream.put(e)
+        finally:
+            stream.put(_END)
+            seconds = time.perf_counter() - t0
+            self._mean_s = seconds if self._mean_s == 0 else 0.8 * self._mean_s + 0.2 * seconds
+            self.running -= 1
+            self._slot.release()
+            self.on_finish(generation, reason)
+
+    async def stop(self) -> None:
+        """Refuse new generations and stop the running one after its current step."""
+        self.closed = True
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,145 @@
+"""The OpenAI-compatible endpoints, served when the server has a target (TARGET): GET /v1/models,
+POST /v1/completions and POST /v1/chat/completions, streamed (server-sent events) or whole.
+
+The target answers greedily with the drafter proposing its next tokens (decoding/text_generation.py), so the text is
+the target's own greedy answer and only the speed depends on the drafter. Everything that touches the target or its
+tokenizer runs on the engine thread: the prompt's tokenization here, the generation itself in generations.py, one
+target step per call. Requests and answers: openai_schema.py. The bounds are the server's: MAX_QUEUE generations
+wait (then 503 with Retry-After), one not started within REQUEST_TIMEOUT_S gets 503, a drain (SIGTERM) lets the
+running and queued ones finish and refuses new ones, and API keys apply as to every endpoint.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from drafter_lib.serve.batching import Overloaded
+from drafter_lib.serve.generations import GenerationRunner
+from drafter_lib.serve.openai_schema import (
+    Answer,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    models_list,
+    parse_request,
+    sse,
+)
+
+log = logging.getLogger("specdraft.serve")
+
+
+def overloaded(exc: Overloaded) -> ApiError:
+    """The 503 of a refused generation, with Retry-After (and Connection: close while shutting down)."""
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    if exc.reason in ("draining", "shutting_down"):
+        headers["Connection"] = "close"
+    return ApiError(503, str(exc), code=exc.reason, headers=headers)
+
+
+def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name: str, created: int,
+                      draft_tokens: int) -> None:
+    """The /v1 routes over `state` (app.ServeState: its `runtime`, `generation_drafter`, draining, in-flight count
+    and metrics); `draft_tokens`: k, the most tokens drafted per target step."""
+    from drafter_lib.decoding.text_generation import (  # imported here so importing the app stays cheap
+        GenerationInputError,
+        TextGeneration,
+        chat_prompt_ids,
+        completion_prompt_ids,
+    )
+
+    def check_ready() -> None:
+        if state.draining:
+            raise overloaded(Overloaded("draining", "server is shutting down", 1))
+        if state.engine is None:
+            raise overloaded(Overloaded("starting", "the drafter and the target are still loading", 1))
+
+    def prepared(request, chat: bool):
+        """On the engine thread: the request's prompt as token ids and its generation."""
+        runtime = state.runtime
+        try:
+            if chat:
+                ids = chat_prompt_ids(runtime, [m.as_template_input() for m in request.messages])
+                max_tokens = request.answer_tokens
+            else:
+                ids = completion_prompt_ids(runtime, request.single_prompt())
+                max_tokens = request.max_tokens
+            return TextGeneration(runtime, ids, max_tokens, state.generation_drafter, draft_tokens, request.stop)
+        except GenerationInputError as e:
+            param = e.param
+            if chat and param == "prompt":
+                param = "messages"
+            elif chat and param == "max_tokens" and request.max_completion_tokens is not None:
+                param = "max_completion_tokens"
+            raise ApiError(400, str(e), param) from None
+
+    async def generate(request: Request, chat: bool):
+        state.inflight += 1  # a drain waits for this request, then for its generation (ServeState.busy)
+        try:
+            check_ready()
+            req = parse_request(ChatCompletionRequest if chat else CompletionRequest, await request.body())
+            if req.model != model_name:
+                raise ApiError(404, f"The model `{req.model}` does not exist: this server serves `{model_name}` "
+                                    "(GET /v1/models)", "model", "model_not_found")
+            try:
+                generation, stream = await runner.start(functools.partial(prepared, req, chat))
+            except Overloaded as exc:
+                raise overloaded(exc) from None
+            answer = Answer(model_name, chat)
+            if req.stream:
+                include_usage = req.stream_options is not None and req.stream_options.include_usage
+                state.metrics.observe_openai(200)  # the answer begins now; an error after this goes into the stream
+                return StreamingResponse(events(stream, generation, answer, include_usage),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            try:
+                text = "".join([delta.text async for delta in stream])
+            except Overloaded as exc:
+                raise overloaded(exc) from None
+            state.metrics.observe_openai(200)
+            return JSONResponse(answer.whole(text, generation.finish_reason, generation.stats))
+        except ApiError as e:
+            state.metrics.observe_openai(e.status, e.code if e.status == 503 else None)
+            return e.response()
+        finally:
+            state.inflight -= 1
+
+    @app.get("/v1/models")
+    async def models():
+        """The one model served: the target."""
+        return models_list(model_name, created)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        """OpenAI's text completion of `prompt` (a string or token ids), greedy; `stream` for server-sent events."""
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        """OpenAI's chat completion of `messages` (through the target's chat template), greedy; `stream` for
+        server-sent events."""
+        return await generate(request, chat=True)
+
+
+async def events(stream, generation, answer: Answer, include_usage: bool):
+    """The stream's server-sent events: the text as it is accepted, then the finish reason and the acceptance
+    figures, the usage if asked, and `[DONE]`. An error after the answer has begun becomes an error event. A
+    client that goes away stops the generation after its current step."""
+    try:
+        if (first := answer.first_chunk()) is not None:
+            yield sse(first)
+        async for delta in stream:
+            if delta.text:
+                yield sse(answer.text_chunk(delta.text))
+        yield sse(answer.last_chunk(generation.finish_reason, generation.stats))
+        if include_usage:
+            yield sse(answer.usage_chunk(generation.stats))
+    except Overloaded as exc:
+        yield sse(overloaded(exc).body())
+    except Exception:  # noqa: BLE001 - the answer has begun: the error goes into the stream, the details to the log
+        log.exception("generation failed")
+        yield sse(ApiError(500, "internal error during the generation; the server log has the details").body())
+    finally:
+        stream.abandon()  # nothing left to stop once it has ended
+    yield sse("[DONE]")

@@ -1,0 +1,256 @@
+"""The wire format of the OpenAI-compatible endpoints: what /v1/completions and /v1/chat/completions accept, the
+answers and stream chunks they send, and errors in OpenAI's shape.
+
+Requests are checked strictly (no "16" for 16, no unknown fields) so that a mistake is a 400 naming the field
+rather than a silent default. Decoding is greedy only: a request that asks for anything else (temperature above 0,
+top_p below 1, several answers, logprobs, penalties, biases) gets a 400 that says so, naming the field; `seed` and
+`user` are accepted and change nothing. Answers carry OpenAI's fields plus `specdraft`: the generation's target
+steps, mean acceptance length (tokens per target step, plain decoding = 1.0), draft tokens proposed and accepted.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
+
+from drafter_lib.serve.json_errors import openai_error
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: up to the end of the context)
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An answer in OpenAI's error shape: `status`, message, `type`, the request field at fault (`param`), `code`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code, self.headers = status, param, code, headers
+        self.type = type or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return openai_error(str(self), self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(status_code=self.status, content=self.body(), headers=self.headers)
+
+
+# ---------------------------------------------------------------------------------------------------- requests
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal[CHAT_ROLES]
+    content: str | list[TextPart]
+
+    def as_template_input(self) -> dict:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
+
+
+class _GenerationRequest(_Strict):
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None  # greedy decoding needs none
+    user: str | None = None
+    # asked of a sampler; only their greedy values are served (GREEDY)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    n: int | None = Field(None, ge=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[StrictInt] | Annotated[list[str], Field(min_length=1)] | \
+        Annotated[list[list[StrictInt]], Field(min_length=1)]
+    max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
+    best_of: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt: a string or token ids (a batch of one is unwrapped; a bigger batch is refused)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) > 1:
+                raise ApiError(400, f"one prompt per request is served, got a batch of {len(p)}", "prompt")
+            p = p[0]
+        return p
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name of max_tokens; wins if both
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0)
+
+    @property
+    def answer_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _absent_or(value):
+    return lambda v: v is None or v == value
+
+
+# field -> (whether a value is what greedy decoding serves, what to say)
+GREEDY = {
+    "temperature": (_absent_or(0), "0 or absent"),
+    "top_p": (_absent_or(1), "1 or absent"),
+    "n": (_absent_or(1), "1 or absent"),
+    "best_of": (_absent_or(1), "1 or absent"),
+    "logprobs": (lambda v: v is None or v is False, "absent (no log-probabilities are returned)"),
+    "top_logprobs": (_absent_or(0), "0 or absent (no log-probabilities are returned)"),
+    "presence_penalty": (_absent_or(0), "0 or absent"),
+    "frequency_penalty": (_absent_or(0), "0 or absent"),
+    "logit_bias": (lambda v: not v, "empty or absent"),
+    "echo": (lambda v: v is False, "false (the prompt is not echoed)"),
+    "suffix": (lambda v: v is None, "absent (no insertion)"),
+}
+
+
+def check_greedy(request: _GenerationRequest) -> None:
+    """A 400 naming the first field that asks for more than one greedy answer."""
+    for name, (served, what) in GREEDY.items():
+        if name in type(request).model_fields and not served(value := getattr(request, name)):
+            raise ApiError(400, f"only greedy decoding is served: {name} must be {what}, got {json.dumps(value)}",
+                           name)
+    if request.stream_options is not None and not request.stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+
+
+def parse_request(model: type[_GenerationRequest], body: bytes):
+    """The request from a JSON body, or an ApiError (400) naming the first field at fault."""
+    if not body.strip():
+        raise ApiError(400, "empty request body: expected a JSON object")
+    try:
+        request = model.model_validate_json(body)
+    except ValidationError as exc:
+        raise describe_error(exc.errors(include_url=False)[0]) from None
+    check_greedy(request)
+    return request
+
+
+# what a field that takes several forms takes, said once instead of one complaint per form
+UNION_EXPECTED = {
+    "prompt": "must be a string or a list of token ids",
+    "stop": "must be a string or a list of up to 4 strings",
+    "content": 'must be a string or a list of text parts {"type": "text", "text": "..."}',
+}
+
+
+def describe_error(err: dict) -> ApiError:
+    """One pydantic error as a 400 naming the field: `messages[0].role: Input should be 'system', 'user' or
+    'assistant' (got "robot")`."""
+    kind = err.get("type")
+    if kind == "json_invalid":
+        return ApiError(400, f"malformed JSON body: {(err.get('ctx') or {}).get('error', 'invalid')}")
+    if kind in ("model_type", "model_attributes_type") and not err.get("loc"):
+        return ApiError(400, "the body must be a JSON object")
+    param, last, msg, loc = "", None, None, tuple(err.get("loc", ()))
+    for j, p in enumerate(loc):
+        if isinstance(p, int):
+            param += f"[{p}]"
+        elif p in _FIELD_NAMES or (kind == "extra_forbidden" and j == len(loc) - 1):  # (the unknown field itself)
+            param, last = param + (f".{p}" if param else p), p
+        else:  # a union's branch (e.g. "list[int]"): the error is about the field's form
+            msg = UNION_EXPECTED.get(last)
+            break
+    msg = msg or {"extra_forbidden": "unrecognized request argument", "missing": "required"}.get(kind) or \
+        err.get("msg", "invalid value")
+    got = "" if kind in ("missing", "extra_forbidden") else f" (got {json.dumps(err.get('input'), default=str)[:60]})"
+    return ApiError(400, f"{param or 'body'}: {msg}{got}", param or None)
+
+
+_FIELD_NAMES = {name for m in (CompletionRequest, ChatCompletionRequest, ChatMessage, TextPart, StreamOptions)
+                for name in m.model_fields}
+
+
+# ---------------------------------------------------------------------------------------------------- answers
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(stats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.completion_tokens,
+            "total_tokens": stats.prompt_tokens + stats.completion_tokens}
+
+
+def acceptance(stats) -> dict:
+    """The `specdraft` extension field: how the speculative loop went."""
+    mal = stats.mean_acceptance_length
+    return {"target_steps": stats.target_steps, "mean_acceptance_length": None if math.isnan(mal) else round(mal, 4),
+            "draft_tokens": stats.draft_tokens, "accepted_tokens": stats.accepted_tokens}
+
+
+class Answer:
+    """The answer of one request in both forms: the whole body, or the stream's chunks. `chat` picks the chat
+    completion objects, else the text completion ones."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat = model, chat
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _object(self, kind: str, choices: list, **extra) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+    def whole(self, text: str, finish_reason: str, stats) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self._object("chat.completion" if self.chat else "text_completion", [choice], usage=usage(stats),
+                            specdraft=acceptance(stats))
+
+    def _chunk(self, content: dict, finish_reason: str | None, **extra) -> dict:
+        return self._object("chat.completion.chunk" if self.chat else "text_completion",
+                            [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}], **extra)
+
+    def first_chunk(self) -> dict | None:
+        """A chat stream opens with the assistant's role (a text completion stream has no opening)."""
+        return self._chunk({"delta": {"role": "assistant", "content": ""}}, None) if self.chat else None
+
+    def text_chunk(self, text: str) -> dict:
+        return self._chunk({"delta": {"content": text}} if self.chat else {"text": text}, None)
+
+    def last_chunk(self, finish_reason: str, stats) -> dict:
+        return self._chunk({"delta": {}} if self.chat else {"text": ""}, finish_reason, specdraft=acceptance(stats))
+
+    def usage_chunk(self, stats) -> dict:
+        """stream_options.include_usage: a last chunk with no choices and the usage."""
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage(stats))
+
+
+def sse(data: Any) -> bytes:
+    """One server-sent event: `data: <json>` (or `data: [DONE]`)."""
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+def models_list(name: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "specdraft"}]}

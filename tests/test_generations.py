@@ -1,0 +1,96 @@
+"""The generation runner alone (serve/generations.py, no HTTP): generations run on the engine thread one step per
+call, whether or not anyone reads them, with other calls in between; the queue is bounded and times out."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from drafter_lib.serve.batching import EngineThread, Overloaded
+from drafter_lib.serve.generations import GenerationRunner
+
+
+class _Steps:
+    """A fake generation: `n` steps, each logged with the thread it ran on."""
+
+    def __init__(self, n: int, log: list, delay: float = 0.0):
+        self.n, self.log, self.delay, self.finish_reason = n, log, delay, None
+
+    def __iter__(self):
+        for i in range(self.n):
+            time.sleep(self.delay)
+            self.log.append((f"step {i}", threading.get_ident()))
+            yield i
+        self.finish_reason = "length"
+
+
+def test_runner_runs_on_the_worker_without_waiting_for_the_reader_and_lets_others_in_between_steps():
+    async def main():
+        worker, log, ended = EngineThread(), [], []
+        loop = asyncio.get_running_loop()
+
+        async def call(fn, *args):
+            return await loop.run_in_executor(worker, fn, *args)
+
+        runner = GenerationRunner(call, max_queue=4, request_timeout_s=10,
+                                  on_finish=lambda gen, reason: ended.append(reason))
+        try:
+            gen, stream = await runner.start(lambda: _Steps(5, log, delay=0.02))
+            await asyncio.sleep(0.03)  # a /draft batch arrives during the generation's first steps
+            await call(lambda: log.append(("draft", threading.get_ident())))
+            while not runner.idle:  # nobody reads the stream: the generation runs to its end anyway
+                await asyncio.sleep(0.01)
+            assert [d async for d in stream] == [0, 1, 2, 3, 4] and ended == ["length"]
+            names = [what for what, _ in log]
+            assert 0 < names.index("draft") < names.index("step 4")  # between steps, not after the answer
+            assert {thread for _, thread in log} == {worker._thread.ident}
+            # a reader that goes away stops the generation after its current step
+            gen, stream = await runner.start(lambda: _Steps(1000, log, delay=0.005))
+            async for _ in stream:
+                stream.abandon()
+                break
+            while not runner.idle:
+                await asyncio.sleep(0.01)
+            assert ended[-1] == "abandoned" and sum(what.startswith("step") for what, _ in log) < 5 + 1000
+        finally:
+            await runner.stop()
+            worker.shutdown()
+
+    asyncio.run(main())
+
+
+def test_runner_bounds_its_queue_and_times_out():
+    async def main():
+        worker, log = EngineThread(), []
+        loop = asyncio.get_running_loop()
+
+        async def call(fn, *args):
+            return await loop.run_in_executor(worker, fn, *args)
+
+        runner = GenerationRunner(call, max_queue=1, request_timeout_s=0.3)
+        try:
+            _, running = await runner.start(lambda: _Steps(40, log, delay=0.02))  # ~0.8 s
+            waiting = asyncio.create_task(runner.start(lambda: _Steps(1, log)))
+            await asyncio.sleep(0.05)
+            assert (runner.running, runner.waiting) == (1, 1)
+            with pytest.raises(Overloaded) as full:
+                await runner.start(lambda: _Steps(1, log))
+            assert full.value.reason == "queue_full" and full.value.retry_after_s >= 1
+            with pytest.raises(Overloaded) as late:
+                await waiting
+            assert late.value.reason == "timeout" and runner.waiting == 0
+            assert len([d async for d in running]) == 40
+            def bad_prompt():
+                raise ValueError("bad prompt")
+
+            with pytest.raises(ValueError, match="bad prompt"):  # the request's own error, from its preparation
+                await runner.start(bad_prompt)
+            assert runner.idle
+        finally:
+            await runner.stop()
+            worker.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,388 @@
+"""The OpenAI-compatible endpoints, with the official `openai` client against real servers on 127.0.0.1: a tiny
+random target (a Hugging Face folder, TARGET) drafted by itself packed at int8 (MODEL_DIR). Every answer's text must
+be the target runtime's own plain greedy decoding of the same prompt. The queue bound and the drain are checked on
+a server whose target steps wait behind a gate file; the generation runner alone in test_generations.py."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from server_helpers import ServerProcess
+from target_helpers import CONTEXT, decoded, reference, stop_string_in, write_drafter_dir, write_target_dir
+
+openai = pytest.importorskip("openai")
+
+KEY = "test-key-123"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+# server.py's command with the target's steps held while the file TEST_TARGET_GATE names exists
+GATED_SERVER = """
+import os, time
+from drafter_lib.serve import app as server_app
+from drafter_lib.serve.cli import main
+
+gate, load = os.environ.get("TEST_TARGET_GATE"), server_app.load_target
+
+def gated_target(settings):
+    runtime = load(settings)
+    score = runtime.target.score
+
+    def gated_score(*args, **kwargs):
+        while gate and os.path.exists(gate):
+            time.sleep(0.01)
+        return score(*args, **kwargs)
+
+    runtime.target.score = gated_score
+    return runtime
+
+server_app.load_target = gated_target
+main()
+"""
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("openai")
+    return write_target_dir(tmp / "tiny-target"), write_drafter_dir(tmp / "drafter")
+
+
+@pytest.fixture(scope="module")
+def runtime(dirs):
+    """The reference: the same target loaded in this process as the server loads it."""
+    from drafter_lib.decoding.runtime import load_target_runtime
+
+    return load_target_runtime(str(dirs[0]), numerics="fp32")
+
+
+@pytest.fixture(scope="module")
+def server(dirs, tmp_path_factory):
+    target_dir, drafter_dir = dirs
+    srv = ServerProcess(drafter_dir, tmp_path_factory.mktemp("server") / "server.log", code=GATED_SERVER,
+                        TARGET=target_dir, TARGET_NUMERICS="fp32", API_KEY=KEY)
+    with srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def name(dirs):
+    return dirs[0].name
+
+
+def _extra(obj) -> dict:
+    return obj.model_extra or {}
+
+
+def _complete(client, name, stream: bool, chat: bool, **kw) -> dict:
+    """One request through the client, streamed or not: {text, finish_reason, usage, specdraft}."""
+    create = client.chat.completions.create if chat else client.completions.create
+    if not stream:
+        r = create(model=name, **kw)
+        choice = r.choices[0]
+        return {"text": choice.message.content if chat else choice.text, "finish_reason": choice.finish_reason,
+                "usage": r.usage.model_dump(exclude_none=True), "specdraft": _extra(r)["specdraft"]}
+    chunks = list(create(model=name, stream=True, stream_options={"include_usage": True}, **kw))
+    assert len({c.id for c in chunks}) == 1 and chunks[-1].choices == []  # the usage comes last, without choices
+    choices = [c.choices[0] for c in chunks[:-1]]
+    texts = [(ch.delta.content if chat else ch.text) or "" for ch in choices]
+    finishes = [ch.finish_reason for ch in choices]
+    assert finishes[:-1] == [None] * (len(finishes) - 1)  # only the last chunk carries it
+    if chat:
+        assert choices[0].delta.role == "assistant"
+    return {"text": "".join(texts), "finish_reason": finishes[-1],
+            "usage": chunks[-1].usage.model_dump(exclude_none=True), "specdraft": _extra(chunks[-2])["specdraft"]}
+
+
+def _usage(prompt_ids, tokens) -> dict:
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(tokens),
+            "total_tokens": len(prompt_ids) + len(tokens)}
+
+
+def _check_specdraft(out: dict, tokens) -> None:
+    s = out["specdraft"]
+    assert s["mean_acceptance_length"] == pytest.approx(len(tokens) / s["target_steps"], abs=1e-3)
+    assert 0 <= s["accepted_tokens"] <= s["draft_tokens"] and s["target_steps"] <= len(tokens)
+
+
+# ------------------------------------------------------------------ answers: the target's own greedy text
+
+
+def test_models_lists_the_target(client, name):
+    assert [m.id for m in client.models.list().data] == [name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completions_are_the_targets_greedy_text(client, runtime, name, stream):
+    text_prompt = "Once upon a time"
+    for prompt in (text_prompt, runtime.tokenizer.encode("def main():")):
+        ids = runtime.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        text, tokens, finish = reference(runtime, ids, 48)
+        out = _complete(client, name, stream, chat=False, prompt=prompt, max_tokens=48)
+        assert (out["text"], out["finish_reason"], out["usage"]) == (text, finish, _usage(ids, tokens))
+        _check_specdraft(out, tokens)
+    # OpenAI's default max_tokens for completions: 16
+    r = client.completions.create(model=name, prompt=text_prompt)
+    assert r.usage.completion_tokens <= 16 and r.choices[0].text == reference(
+        runtime, runtime.tokenizer.encode(text_prompt), 16)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_completions_are_the_targets_greedy_text(client, runtime, name, stream):
+    from drafter_lib.common.chat import encode_chat
+
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Blue."}, {"role": "user", "content": [{"type": "text",
+                                                                                          "text": "Another?"}]}]
+    as_text = [{**m, "content": m["content"] if isinstance(m["content"], str) else "Another?"} for m in messages]
+    ids = encode_chat(runtime.tokenizer, as_text)
+    text, tokens, finish = reference(runtime, ids, 40)
+    out = _complete(client, name, stream, chat=True, messages=messages, max_tokens=40)
+    assert (out["text"], out["finish_reason"], out["usage"]) == (text, finish, _usage(ids, tokens))
+    _check_specdraft(out, tokens)
+    # without a bound, up to the end of the context (or a stop token); max_completion_tokens is the newer name
+    short = _complete(client, name, stream, chat=True, messages=messages[:2], max_completion_tokens=5)
+    assert short["usage"]["completion_tokens"] <= 5
+    if not stream:  # (the same code path either way; a whole context's plain decoding is the slow part)
+        whole = _complete(client, name, stream, chat=True, messages=messages[:2])
+        ids = encode_chat(runtime.tokenizer, messages[:2])
+        assert whole["text"] == reference(runtime, ids, CONTEXT - len(ids))[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_stop_strings_cut_the_text_and_count_the_tokens_up_to_them(client, runtime, name, stream):
+    prompt = "Stop somewhere"
+    ids = runtime.tokenizer.encode(prompt)
+    text, tokens, _ = reference(runtime, ids, 60)
+    stop, i = stop_string_in(text, start=len(text) // 3)
+    needed = next(n for n in range(1, len(tokens) + 1) if stop in decoded(runtime.tokenizer, tokens[:n]))
+    for given in (stop, ["\x01never", stop]):
+        out = _complete(client, name, stream, chat=False, prompt=prompt, max_tokens=60, stop=given)
+        assert (out["text"], out["finish_reason"]) == (text[:i], "stop")
+        assert out["usage"] == _usage(ids, tokens[:needed])
+
+
+# ------------------------------------------------------------------ what is refused, in OpenAI's error shape
+
+
+def _refused(call, status: int, param: str | None, *words):
+    with pytest.raises(openai.APIStatusError) as e:
+        call()
+    err = e.value
+    assert err.status_code == status, err
+    assert set(err.body) == {"message", "type", "param", "code"} and err.body["param"] == param, err.body
+    for w in words:
+        assert w in err.body["message"], (w, err.body)
+    return err
+
+
+@pytest.mark.parametrize("kw, param", [({"temperature": 0.7}, "temperature"), ({"top_p": 0.9}, "top_p"),
+                                       ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
+                                       ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+                                       ({"frequency_penalty": 0.5}, "frequency_penalty"),
+                                       ({"logit_bias": {"5": 3}}, "logit_bias")])
+def test_sampling_is_refused_naming_the_field(client, name, kw, param):
+    _refused(lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=4, **kw),
+             400, param, "only greedy decoding is served", param)
+
+
+def test_greedy_values_of_sampling_fields_are_served(client, name):
+    r = client.completions.create(model=name, prompt="x", max_tokens=3, temperature=0, top_p=1, n=1, seed=7,
+                                  presence_penalty=0, user="me")
+    assert r.usage.completion_tokens <= 3
+    _refused(lambda: client.completions.create(model=name, prompt="x", max_tokens=3, best_of=2), 400, "best_of",
+             "only greedy decoding is served")
+    _refused(lambda: client.completions.create(model=name, prompt="x", max_tokens=3, echo=True), 400, "echo")
+
+
+def test_bad_requests_get_a_4xx_naming_the_problem(client, name):
+    chat, complete = client.chat.completions.create, client.completions.create
+    hi = [{"role": "user", "content": "hi"}]
+    err = _refused(lambda: chat(model="gpt-4o", messages=hi), 404, "model", "gpt-4o", name)
+    assert err.body["code"] == "model_not_found" and isinstance(err, openai.NotFoundError)
+    _refused(lambda: chat(model=name, messages=[]), 400, "messages", "at least one message")
+    _refused(lambda: chat(model=name, messages=[{"role": "robot", "content": "hi"}]), 400, "messages[0].role")
+    _refused(lambda: chat(model=name, messages=[{"role": "user", "content": 5}]), 400, "messages[0].content")
+    _refused(lambda: chat(model=name, messages=[{"role": "user"}]), 400, "messages[0].content", "required")
+    _refused(lambda: complete(model=name, prompt="x" * (CONTEXT + 5)), 400, "prompt", f"context is {CONTEXT}")
+    _refused(lambda: complete(model=name, prompt="x" * 200, max_tokens=100), 400, "max_tokens",
+             "at most 56 new tokens")
+    _refused(lambda: chat(model=name, messages=hi, max_completion_tokens=10_000), 400, "max_completion_tokens")
+    _refused(lambda: complete(model=name, prompt="x", max_tokens="16"), 400, "max_tokens", "integer")
+    _refused(lambda: complete(model=name, prompt="x", max_tokens=0), 400, "max_tokens")
+    _refused(lambda: complete(model=name, prompt="x", stop=["a", "b", "c", "d", "e"]), 400, "stop", "up to 4")
+    _refused(lambda: complete(model=name, prompt=[1, 10_000]), 400, "prompt", "vocabulary")
+    _refused(lambda: complete(model=name, prompt=["a", "b"]), 400, "prompt", "batch of 2")
+    _refused(lambda: complete(model=name, prompt=""), 400, "prompt", "empty")
+    _refused(lambda: complete(model=name, prompt="x", extra_body={"frobnicate": 1}), 400, "frobnicate",
+             "unrecognized")
+    _refused(lambda: complete(model=name, prompt="x", stream=False, stream_options={"include_usage": True}), 400,
+             "stream_options")
+
+
+def test_malformed_bodies_get_a_400_in_openai_shape(server):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        for body in (b'{"model": "x", "prompt": ', b"", b"[1, 2]"):
+            r = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+            assert r.status_code == 400 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+
+
+def test_keys_apply_to_the_v1_endpoints(server, name):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0) as wrong:
+        for call in (wrong.models.list, lambda: wrong.completions.create(model=name, prompt="x", max_tokens=2)):
+            err = _refused(call, 401, None, "API key")
+            assert isinstance(err, openai.AuthenticationError) and err.body["code"] == "invalid_api_key"
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        assert http.post("/v1/chat/completions", json={}).status_code == 401
+        assert http.get("/health").status_code == 200
+
+
+# ------------------------------------------------------------------ the rest of the server
+
+
+def _metric(http, line_start: str) -> float:
+    lines = [ln for ln in http.get("/metrics").text.splitlines() if ln.startswith(line_start)]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+
+def test_metrics_count_generations_and_tokens_and_draft_still_serves(server, client, name, dirs):
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        before = {k: _metric(http, k) for k in ("specdraft:generations_total", "specdraft:generation_tokens_total",
+                                                "specdraft:generation_target_steps_total",
+                                                "specdraft:prompt_tokens_total")}
+        r = client.completions.create(model=name, prompt="Count me", max_tokens=12)
+        after = {k: _metric(http, k) for k in before}
+        assert after["specdraft:generations_total"] == before["specdraft:generations_total"] + 1
+        assert after["specdraft:generation_tokens_total"] - before["specdraft:generation_tokens_total"] == \
+            r.usage.completion_tokens
+        assert after["specdraft:prompt_tokens_total"] - before["specdraft:prompt_tokens_total"] == \
+            r.usage.prompt_tokens
+        assert after["specdraft:generation_target_steps_total"] - before[
+            "specdraft:generation_target_steps_total"] == _extra(r)["specdraft"]["target_steps"]
+        refused = 'specdraft:openai_requests_total{reason="",status="400"}'
+        before_400 = _metric(http, refused)
+        assert http.post("/v1/completions", json={"model": name, "prompt": "x", "n": 3}).status_code == 400
+        assert _metric(http, refused) == before_400 + 1
+        assert _metric(http, "specdraft:generations_running") == 0
+        draft = http.post("/draft", json={"tokens": [1, 2, 3]})  # the drafter's own endpoint, unchanged
+        assert draft.status_code == 200 and len(draft.json()["draft"]) == 16
+        info = http.get("/info").json()
+        assert info["target"]["name"] == name and info["target"]["context_length"] == CONTEXT
+        assert info["server"]["target"] == name and str(dirs[0].parent) not in json.dumps(info)  # no machine path
+
+
+# ------------------------------------------------------------------ the queue bound and the drain
+
+
+def _stream_lines(http, body):
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200, r.read()
+        return [ln for ln in r.iter_lines() if ln]
+
+
+@pytest.mark.slow
+def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(dirs, runtime, name, tmp_path):
+    """MAX_QUEUE=1 and the target held at its first step (a gate file): one generation runs, one waits, the next is
+    refused at once with Retry-After; SIGTERM refuses new ones, lets both finish and then exits 0."""
+    target_dir, drafter_dir = dirs
+    gate = tmp_path / "gate"
+    srv = ServerProcess(drafter_dir, tmp_path / "server.log", code=GATED_SERVER, TARGET=target_dir,
+                        TARGET_NUMERICS="fp32", API_KEY=KEY, MAX_QUEUE=1, REQUEST_TIMEOUT_S=60,
+                        TEST_TARGET_GATE=gate)
+    try:
+        srv.wait_ready()
+        gate.touch()
+        results = {}
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=120) as http:
+            def run(key, body):
+                results[key] = _stream_lines(http, body) if body.get("stream") else http.post(
+                    "/v1/completions", json=body)
+
+            def wait_for(metric, value):
+                deadline = time.monotonic() + 30
+                while _metric(http, metric) != value:
+                    assert time.monotonic() < deadline, (metric, srv.log())
+                    time.sleep(0.02)
+
+            first = threading.Thread(target=run, args=("first", {"model": name, "prompt": "First", "max_tokens": 24,
+                                                                 "stream": True}))
+            first.start()
+            wait_for("specdraft:generations_running", 1)
+            second = threading.Thread(target=run, args=("second", {"model": name, "prompt": "Second",
+                                                                   "max_tokens": 8}))
+            second.start()
+            wait_for("specdraft:generations_waiting", 1)
+            full = http.post("/v1/completions", json={"model": name, "prompt": "Third", "max_tokens": 4})
+            assert full.status_code == 503 and int(full.headers["retry-after"]) >= 1
+            assert full.json()["error"]["code"] == "queue_full" and "MAX_QUEUE=1" in full.json()["error"]["message"]
+            assert _metric(http, 'specdraft:openai_requests_total{reason="queue_full",status="503"}') == 1
+
+            srv.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while (late := http.post("/v1/completions", json={"model": name, "prompt": "Late"})).status_code != 503:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert late.json()["error"]["code"] == "draining" and late.headers["connection"] == "close"
+            gate.unlink()
+            first.join(60)
+            second.join(60)
+        events = [ln.removeprefix("data: ") for ln in results["first"]]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == reference(
+            runtime, runtime.tokenizer.encode("First"), 24)[0]
+        assert results["second"].status_code == 200
+        assert results["second"].json()["choices"][0]["text"] == reference(
+            runtime, runtime.tokenizer.encode("Second"), 8)[0]
+        assert srv.proc.wait(timeout=60) == 0, srv.log()
+    finally:
+        gate.unlink(missing_ok=True)
+        srv.stop()
+
+
+# ------------------------------------------------------------------ the settings
+
+
+@pytest.mark.parametrize("env, target", [({"TARGET": "smollm2-135m-instruct"}, "smollm2-135m-instruct"),
+                                         ({"TARGET_DIR": "/srv/models/my-target"}, "/srv/models/my-target"),
+                                         ({"TARGET": " "}, None), ({}, None)])
+def test_target_setting(monkeypatch, env, target):
+    from drafter_lib.serve.settings import Settings
+
+    for var in ("TARGET", "TARGET_DIR", "TARGET_NUMERICS"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    settings = Settings.from_env()
+    assert settings.target == target and settings.target_numerics == "w8a8"
+    assert settings.public()["target"] == target  # no such folder here: shown as given (a folder: its name only)
+
+
+def test_target_numerics_setting_is_the_runtimes(monkeypatch, dirs):
+    from pydantic import ValidationError
+
+    from drafter_lib.decoding.runtime import NUMERICS
+    from drafter_lib.serve.settings import TARGET_NUMERICS, Settings, describe_errors
+
+    assert TARGET_NUMERICS == NUMERICS
+    monkeypatch.setenv("TARGET_NUMERICS", "FP32")
+    monkeypatch.setenv("TARGET", str(dirs[0]))
+    settings = Settings.from_env()
+    assert settings.target_numerics == "fp32" and settings.public()["target"] == dirs[0].name
+    monkeypatch.setenv("TARGET_NUMERICS", "int4")
+    with pytest.raises(ValidationError) as e:
+        Settings.from_env()
+    assert describe_errors(e.value) == ["TARGET_NUMERICS='int4': Input should be 'w8a8' or 'fp32'"]

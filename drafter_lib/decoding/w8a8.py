@@ -47,9 +47,15 @@ def activation_max() -> int:
     return 127 if has_vnni() else 63
 
 
+def row_scales(x: torch.Tensor, qmax: int) -> torch.Tensor:
+    """Each row's scale [M, 1]: its largest magnitude maps to qmax."""
+    return torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).clamp_min_(1e-12).div_(qmax)
+
+
 def quantize_rows(x: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(integer-valued float rows in [-qmax, qmax], each row's scale [M, 1]) of x [M, K]."""
-    scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / qmax
+    """(integer-valued float rows in [-qmax, qmax], each row's scale [M, 1]) of x [M, K]: what a kernel makes of
+    `x / scale`, which it rounds half to even itself."""
+    scale = row_scales(x, qmax)
     return torch.round(x / scale), scale
 
 
@@ -59,6 +65,8 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(w.detach().float() / scale[:, None]).to(torch.int8), scale
 
 
+# A kernel is built from (int8 weight [N, K], weight scale [N], qmax) and called on rows already divided by their
+# scales (floats in [-qmax, qmax]), which it rounds half to even; it returns sum_k round(x_k) * w_nk * scale_n.
 class _Fbgemm:
     ZERO_POINT = {127: 128, 63: 64}  # u8 = q + zero point
 
@@ -71,8 +79,8 @@ class _Fbgemm:
             self.packed = torch.ops.quantized.linear_prepack(qw, None)
         self.zp = self.ZERO_POINT[qmax]
 
-    def __call__(self, xq: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(xq, 1.0, self.zp, self.packed)
+    def __call__(self, xs: torch.Tensor) -> torch.Tensor:  # fbgemm rounds with scale 1 as it packs the rows
+        return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(xs, 1.0, self.zp, self.packed)
 
 
 class _OneDnn:
@@ -81,8 +89,8 @@ class _OneDnn:
         self.scale, self.zeros = scale.float(), torch.zeros(len(scale), dtype=torch.long)
         self.zp = qmax + 1
 
-    def __call__(self, xq: torch.Tensor) -> torch.Tensor:
-        xu = (xq + self.zp).to(torch.uint8)
+    def __call__(self, xs: torch.Tensor) -> torch.Tensor:
+        xu = (xs.round() + self.zp).to(torch.uint8)
         return torch.ops.onednn.qlinear_pointwise(xu, 1.0, self.zp, self.packed, self.scale, self.zeros, None, 1.0, 0,
                                                   torch.float32, "none", [], "")
 
@@ -91,8 +99,8 @@ class _IntMM:
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, qmax: int):
         self.qt, self.scale = q.t().contiguous(), scale.float()  # [K, N]
 
-    def __call__(self, xq: torch.Tensor) -> torch.Tensor:
-        return torch._int_mm(xq.to(torch.int8), self.qt).float() * self.scale
+    def __call__(self, xs: torch.Tensor) -> torch.Tensor:
+        return torch._int_mm(xs.round().to(torch.int8), self.qt).float() * self.scale
 
 
 _KERNEL_CLASSES = {"fbgemm": _Fbgemm, "onednn": _OneDnn, "int_mm": _IntMM}
@@ -116,10 +124,10 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        xq, scale = quantize_rows(rows, self.qmax)
-        y = self.kernel(xq) * scale
+        scale = row_scales(rows, self.qmax)
+        y = self.kernel(rows / scale).mul_(scale)  # a kernel takes rows scaled into [-qmax, qmax] (see _Fbgemm)
         if self.bias is not None:
-            y = y + self.bias
+            y.add_(self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -26,7 +26,6 @@ SUPPORTED_ARCHS = ("llama", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 COMPILED_MAX_T = 32  # cached steps of up to this many tokens a row run `compiled_step` when set (longer: causal)
 ROW_BUCKET = 64  # row-exact attention reads keys in blocks of this many slots (a cache's capacity is a multiple)
-ROW_EXACT = "row-exact"  # the mask value that makes a layer attend row by row (Attention._attend_rows)
 
 
 @dataclass
@@ -234,7 +233,7 @@ class Attention(nn.Module):
             if cache is not None:  # length None: a static-shape step (Transformer.cached_step) over all slots
                 k, v = (cache.write(self.layer_idx, k, v, positions) if length is None
                         else cache.update(self.layer_idx, k, v, positions, length))
-            y = self._attend_rows(q, k, v, positions) if mask is ROW_EXACT else self._attend(q, k, v, mask)
+            y = self._attend_rows(q, k, v, mask) if isinstance(mask, RowGroups) else self._attend(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.nh * self.hd))
 
     def _attend(self, q, k, v, mask):
@@ -243,30 +242,55 @@ class Attention(nn.Module):
                                               is_causal=causal, enable_gqa=self.nkv != self.nh)
 
 
-    def _attend_rows(self, q, k, v, positions):
+    def _attend_rows(self, q, k, v, rows: RowGroups):
         """Attention in which a query row's output never depends on the other rows of its pass (one sequence).
 
-        Each query is a head of its own (q_len 1) that reads the first `row_keys(position)` slots under its own
-        mask, so a row is computed by the same kernel call shape, over the same keys, whether it comes alone (a
-        one-token step) or inside a k + 1-token verify pass. Rows whose key blocks end alike share one call."""
-        _, H, T, D = q.shape
-        group = H // self.nkv
-        pos = positions[0]
-        ends = [row_keys(int(p)) for p in pos.tolist()]
-        out, a = [], 0
-        while a < T:
-            b = a + 1
-            while b < T and ends[b] == ends[a]:
-                b += 1
-            n, rows = ends[a], b - a
-            qg = q[:, :, a:b].reshape(1, H * rows, 1, D)  # head-major: kv head j serves heads [j*group*rows, ...)
-            allowed = torch.arange(n) <= pos[a:b, None]  # [rows, n]
-            mask = allowed[None, None].expand(self.nkv, group, rows, n).reshape(1, H * rows, 1, n)
-            y = F.scaled_dot_product_attention(qg, k[:, :, :n].to(q.dtype), v[:, :, :n].to(q.dtype),
-                                               attn_mask=mask, enable_gqa=True)
-            out.append(y.view(1, H, rows, D))
-            a = b
+        Each query row is a head of its own (q_len 1) that reads the first `row_keys(position)` slots under its own
+        mask, so a row is computed by the same kernel call, over the same keys, whether it comes alone (a one-token
+        step) or inside a k + 1-token verify pass. Rows whose key blocks end alike share one call. (As a batch of
+        rows over a stride-0 view of the keys instead, a row's bits changed with the batch's size.)"""
+        _, H, _, D = q.shape
+        out = []
+        for a, b, n, mask in rows.spans:
+            qg = q[:, :, a:b].reshape(1, H * (b - a), 1, D)  # head-major: kv head j serves heads [j*G*rows, ...)
+            y = F.scaled_dot_product_attention(qg, k[:, :, :n], v[:, :, :n], attn_mask=mask.get(H), enable_gqa=True)
+            out.append(y.view(1, H, b - a, D))
         return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+@dataclass
+class RowGroups:
+    """Row-exact attention's plan for one pass of one sequence, made once for all layers: spans (a, b, n, mask) of
+    consecutive rows a..b-1 whose key blocks end alike, which read the first n cache slots under an additive mask
+    (0 where the slot is at or before the row's position, -inf after) laid out per query head (`_HeadMasks`)."""
+    spans: list
+
+    @classmethod
+    def of(cls, positions: torch.Tensor) -> RowGroups:
+        pos = positions[0]
+        ends = [row_keys(p) for p in pos.tolist()]
+        spans, a = [], 0
+        while a < len(ends):
+            b = a + 1
+            while b < len(ends) and ends[b] == ends[a]:
+                b += 1
+            later = torch.arange(ends[a]) > pos[a:b, None]  # [rows, n]
+            spans.append((a, b, ends[a], _HeadMasks(torch.zeros(later.shape).masked_fill_(later, float("-inf")))))
+            a = b
+        return cls(spans)
+
+
+class _HeadMasks:
+    """A span's [rows, n] additive mask as SDPA's [1, heads * rows, 1, n] for each head count asked (made once)."""
+
+    def __init__(self, rows_mask: torch.Tensor):
+        self.rows_mask, self.by_heads = rows_mask, {}
+
+    def get(self, heads: int) -> torch.Tensor:
+        if heads not in self.by_heads:
+            rows, n = self.rows_mask.shape
+            self.by_heads[heads] = self.rows_mask.expand(heads, rows, n).reshape(1, heads * rows, 1, n)
+        return self.by_heads[heads]
 
 
 def row_keys(position: int) -> int:
@@ -419,8 +443,9 @@ class Transformer(nn.Module):
                 if B != 1 or cache.capacity % ROW_BUCKET:
                     raise ValueError(f"row-exact attention runs one sequence in a cache whose capacity is a "
                                      f"multiple of {ROW_BUCKET}; got {B} rows, capacity {cache.capacity}")
+                rows = RowGroups.of(positions)
                 for layer in m.layers:
-                    x = layer(x, cos, sin, positions, ROW_EXACT, cache, cache.capacity)
+                    x = layer(x, cos, sin, positions, rows, cache, cache.capacity)
                 return m.norm(x[:, -1:] if last_only else x)
             if self.compiled_step is not None and T <= COMPILED_MAX_T:
                 x = self.compiled_step(x, cos, sin, positions, cache)

@@ -51,7 +51,7 @@ def main(argv=None) -> dict:
     refs = [greedy_decode(reference, p, args.max_new_tokens, stop) for p in prompts]
     print(f"{len(prompts)} prompts, reference: transformers fp32, {sum(map(len, refs))} answer tokens")
     labels = {"native": "hand-written fp32", "w8a8": "this runtime, W8A8"}
-    targets = {labels[n]: make_target(n, hf) for n in args.targets if n in labels}
+    targets = {labels[n]: make_target(n, hf, tok) for n in args.targets if n in labels}
     if "llama_cpp" in args.targets:
         from bench.llama_cpp_rows import requantized
         from drafter_lib.decoding.llama_cpp_target import LlamaCppTarget

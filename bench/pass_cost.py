@@ -32,8 +32,8 @@ def targets(names, gguf_types):
     out = {}
     labels = {"hf": "transformers fp32", "native": "hand-written fp32", "w8a8": "this runtime, W8A8"}
     if set(labels) & set(names):
-        hf, _ = hf_models.load_default_teacher()
-        out.update({labels[n]: make_target(n, hf) for n in names if n in labels})
+        hf, tok = hf_models.load_default_teacher()
+        out.update({labels[n]: make_target(n, hf, tok) for n in names if n in labels})
     if "llama_cpp" in names:
         from bench.llama_cpp_rows import requantized
         from drafter_lib.decoding.llama_cpp_target import LlamaCppTarget

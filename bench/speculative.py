@@ -103,6 +103,7 @@ from bench.llama_cpp_rows import Recorded, check_rows, projected, requantized, u
 from bench.workload import heldout_prompts
 from drafter_lib.common.measured_choice import cpu_model
 from drafter_lib.decoding.runtime import runtime_target
+from drafter_lib.decoding.smoothing import calibration_rows
 from drafter_lib.decoding.speculative import HFTarget, NativeTarget, speculative_generate
 from drafter_lib.engine.draft_engine import DraftEngine
 from drafter_lib.evaluation.evaluate import encode_records
@@ -360,7 +361,8 @@ def main(argv=None) -> list[dict]:
     if "native" in args.targets:
         targets["hand-written fp32"] = NativeTarget(Transformer.from_hf_model(hf))
     if "w8a8" in args.targets:
-        targets["this runtime W8A8"] = runtime_target(Transformer.from_hf_model(hf), "w8a8")
+        targets["this runtime W8A8"] = runtime_target(Transformer.from_hf_model(hf), "w8a8",
+                                                      calibration=calibration_rows(tok))
     gguf = args.gguf or str(hf_models.default_teacher_gguf())
     if "llama_cpp" in args.targets:
         from drafter_lib.decoding.llama_cpp_target import LlamaCppTarget

@@ -106,3 +106,23 @@ def test_row_exact_attention_refuses_a_batch(tiny_random):
     cache = target.model.new_cache(2, ROW_BUCKET)
     with pytest.raises(ValueError, match="one sequence"):
         target.model.hidden(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).repeat(2, 1), cache)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_smoothing_keeps_the_float_model_and_evens_out_its_channels(tiny_random, arch):
+    from drafter_lib.decoding.smoothing import activation_maxima, smooth
+
+    hf, _ = tiny_random(arch, seed=4)
+    model = Transformer.from_hf_model(hf)
+    with torch.no_grad():  # an outlier channel, as real norms have
+        for layer in model.model.layers:
+            layer.input_layernorm.weight[3] = 40.0
+    rows = [list(range(10, 60)), list(range(100, 130))]
+    ids = torch.tensor([rows[0]])
+    before, spread = model(ids, torch.arange(50)[None]), activation_maxima(model, rows)["0.attn"]
+    smooth(model, rows, alpha=0.7)
+    torch.testing.assert_close(model(ids, torch.arange(50)[None]), before, rtol=1e-4, atol=1e-4)
+    after = activation_maxima(model, rows)["0.attn"]
+    assert after.max() / after.median() < 0.5 * spread.max() / spread.median()
+    with pytest.raises(ValueError, match="calibration"):
+        smooth(model, [])

@@ -101,7 +101,7 @@ def engine_of_shape(hf_config: dict, state_dict: dict, dtype: str | None = None)
                                   stored_rows=rows)
 
 
-def make_target(kind: str, hf_model):
+def make_target(kind: str, hf_model, tokenizer=None):
     """The end-to-end target over a transformers model: "hf" (HFTarget, as bench/speculative.py's transformers
     target), "native" (NativeTarget over the hand-written decoder, fp32) or "w8a8" (the target runtime: the
     hand-written decoder with W8A8 linears and row-exact attention, `decoding/runtime.py`)."""
@@ -114,8 +114,10 @@ def make_target(kind: str, hf_model):
         return NativeTarget(Transformer.from_hf_model(hf_model))
     if kind == "w8a8":
         from drafter_lib.decoding.runtime import runtime_target
+        from drafter_lib.decoding.smoothing import calibration_rows
 
-        return runtime_target(Transformer.from_hf_model(hf_model), "w8a8")
+        rows = calibration_rows(tokenizer) if tokenizer is not None else None  # no tokenizer: not smoothed
+        return runtime_target(Transformer.from_hf_model(hf_model), "w8a8", calibration=rows)
     raise ValueError(f"target kind must be one of {TARGETS}, got {kind!r}")
 
 

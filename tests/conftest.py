@@ -73,3 +73,21 @@ def tiny_target():
     from drafter_lib.model.tiny_models import tiny_random_model
 
     return tiny_random_model("llama", tokenizer="bytes", hidden_size=32, num_hidden_layers=2, seed=3)
+
+
+@pytest.fixture(scope="session")
+def generation_dirs(tmp_path_factory):
+    """(target folder, drafter model dir): a tiny random target as a Hugging Face folder and the same target packed
+    as its drafter, for the generation tests (CLI, OpenAI-compatible server)."""
+    from target_helpers import write_drafter_dir, write_target_dir
+
+    tmp = tmp_path_factory.mktemp("generation")
+    return write_target_dir(tmp / "target"), write_drafter_dir(tmp / "drafter")
+
+
+@pytest.fixture(scope="session")
+def generation_runtime(generation_dirs):
+    """The reference: that target loaded as the server and the CLI load it (W8A8, their default)."""
+    from drafter_lib.decoding.runtime import load_target_runtime
+
+    return load_target_runtime(str(generation_dirs[0]))

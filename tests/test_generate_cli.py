@@ -7,22 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from target_helpers import decoded, reference, write_drafter_dir, write_target_dir
+from target_helpers import decoded, reference
 
 from drafter_lib.serve.generate_cli import main
-
-
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("generate_cli")
-    return write_target_dir(tmp / "target"), write_drafter_dir(tmp / "drafter")
-
-
-@pytest.fixture(scope="module")
-def runtime(dirs):
-    from drafter_lib.decoding.runtime import load_target_runtime
-
-    return load_target_runtime(str(dirs[0]), numerics="fp32")
 
 
 def _run(capsys, *argv) -> tuple[str, str]:
@@ -31,12 +18,13 @@ def _run(capsys, *argv) -> tuple[str, str]:
     return out.out, out.err
 
 
-def test_streams_the_targets_greedy_text_with_and_without_the_drafter(dirs, runtime, capsys, tmp_path):
+def test_streams_the_targets_greedy_text_with_and_without_the_drafter(generation_dirs, generation_runtime, capsys,
+                                                                      tmp_path):
     from drafter_lib.common.chat import encode_chat
 
-    target, drafter = dirs
-    common = ("--target", target, "--numerics", "fp32", "--max-tokens", 40)
-    text, tokens, _ = reference(runtime, runtime.tokenizer.encode("Once upon"), 40)
+    target, drafter = generation_dirs
+    common = ("--target", target, "--max-tokens", 40)
+    text, tokens, _ = reference(generation_runtime, generation_runtime.tokenizer.encode("Once upon"), 40)
     out, err = _run(capsys, *common, "--model-dir", drafter, "--prompt", "Once upon", "--k", 8)
     assert out == text
     assert "tokens/s" in err and "tokens per step" in err and f"{len(tokens)} tokens in" in err
@@ -44,17 +32,17 @@ def test_streams_the_targets_greedy_text_with_and_without_the_drafter(dirs, runt
     assert out == text and f"{len(tokens)} target steps, 1.00 tokens per step" in err and "no drafter" in err
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
-    chat_text = reference(runtime, encode_chat(runtime.tokenizer, messages), 40)[0]
+    chat_text = reference(generation_runtime, encode_chat(generation_runtime.tokenizer, messages), 40)[0]
     path = tmp_path / "chat.json"
     path.write_text(json.dumps({"messages": messages}))
     assert _run(capsys, *common, "--model-dir", drafter, "--messages", path)[0] == chat_text
-    user_only = reference(runtime, encode_chat(runtime.tokenizer, messages[1:]), 40)
+    user_only = reference(generation_runtime, encode_chat(generation_runtime.tokenizer, messages[1:]), 40)
     assert _run(capsys, *common, "--model-dir", drafter, "--chat", "Hello")[0] == user_only[0]
 
     stop = user_only[0][5:7]
     out, err = _run(capsys, *common, "--model-dir", drafter, "--chat", "Hello", "--stop", stop)
     assert out == user_only[0][:user_only[0].index(stop)] and "finish: stop" in err
-    assert decoded(runtime.tokenizer, user_only[1]).startswith(out)
+    assert decoded(generation_runtime.tokenizer, user_only[1]).startswith(out)
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -75,9 +63,9 @@ def test_bad_arguments_stop_with_a_usage_line(capsys, argv, words):
         assert w in err, err
 
 
-def test_bad_input_stops_with_one_clear_line(dirs, tmp_path):
-    target, drafter = dirs
-    common = ["--target", str(target), "--numerics", "fp32", "--model-dir", str(drafter)]
+def test_bad_input_stops_with_one_clear_line(generation_dirs, tmp_path):
+    target, drafter = generation_dirs
+    common = ["--target", str(target), "--model-dir", str(drafter)]
     bad_role = tmp_path / "bad_role.json"
     bad_role.write_text(json.dumps([{"role": "robot", "content": "hi"}]))
     not_json = tmp_path / "not.json"

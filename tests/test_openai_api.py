@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 from server_helpers import ServerProcess
-from target_helpers import CONTEXT, decoded, reference, stop_string_in, write_drafter_dir, write_target_dir
+from target_helpers import CONTEXT, decoded, reference, stop_string_in
 
 openai = pytest.importorskip("openai")
 
@@ -46,24 +46,10 @@ main()
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("openai")
-    return write_target_dir(tmp / "tiny-target"), write_drafter_dir(tmp / "drafter")
-
-
-@pytest.fixture(scope="module")
-def runtime(dirs):
-    """The reference: the same target loaded in this process as the server loads it."""
-    from drafter_lib.decoding.runtime import load_target_runtime
-
-    return load_target_runtime(str(dirs[0]), numerics="fp32")
-
-
-@pytest.fixture(scope="module")
-def server(dirs, tmp_path_factory):
-    target_dir, drafter_dir = dirs
+def server(generation_dirs, tmp_path_factory):
+    target_dir, drafter_dir = generation_dirs
     srv = ServerProcess(drafter_dir, tmp_path_factory.mktemp("server") / "server.log", code=GATED_SERVER,
-                        TARGET=target_dir, TARGET_NUMERICS="fp32", API_KEY=KEY)
+                        TARGET=target_dir, API_KEY=KEY)
     with srv:
         yield srv
 
@@ -75,8 +61,8 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def name(dirs):
-    return dirs[0].name
+def name(generation_dirs):
+    return generation_dirs[0].name
 
 
 def _extra(obj) -> dict:
@@ -123,31 +109,31 @@ def test_models_lists_the_target(client, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_completions_are_the_targets_greedy_text(client, runtime, name, stream):
+def test_completions_are_the_targets_greedy_text(client, generation_runtime, name, stream):
     text_prompt = "Once upon a time"
-    for prompt in (text_prompt, runtime.tokenizer.encode("def main():")):
-        ids = runtime.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        text, tokens, finish = reference(runtime, ids, 48)
+    for prompt in (text_prompt, generation_runtime.tokenizer.encode("def main():")):
+        ids = generation_runtime.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        text, tokens, finish = reference(generation_runtime, ids, 48)
         out = _complete(client, name, stream, chat=False, prompt=prompt, max_tokens=48)
         assert (out["text"], out["finish_reason"], out["usage"]) == (text, finish, _usage(ids, tokens))
         _check_specdraft(out, tokens)
     # OpenAI's default max_tokens for completions: 16
     r = client.completions.create(model=name, prompt=text_prompt)
     assert r.usage.completion_tokens <= 16 and r.choices[0].text == reference(
-        runtime, runtime.tokenizer.encode(text_prompt), 16)[0]
+        generation_runtime, generation_runtime.tokenizer.encode(text_prompt), 16)[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_chat_completions_are_the_targets_greedy_text(client, runtime, name, stream):
+def test_chat_completions_are_the_targets_greedy_text(client, generation_runtime, name, stream):
     from drafter_lib.common.chat import encode_chat
 
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."},
                 {"role": "assistant", "content": "Blue."}, {"role": "user", "content": [{"type": "text",
                                                                                           "text": "Another?"}]}]
     as_text = [{**m, "content": m["content"] if isinstance(m["content"], str) else "Another?"} for m in messages]
-    ids = encode_chat(runtime.tokenizer, as_text)
-    text, tokens, finish = reference(runtime, ids, 40)
+    ids = encode_chat(generation_runtime.tokenizer, as_text)
+    text, tokens, finish = reference(generation_runtime, ids, 40)
     out = _complete(client, name, stream, chat=True, messages=messages, max_tokens=40)
     assert (out["text"], out["finish_reason"], out["usage"]) == (text, finish, _usage(ids, tokens))
     _check_specdraft(out, tokens)
@@ -156,18 +142,18 @@ def test_chat_completions_are_the_targets_greedy_text(client, runtime, name, str
     assert short["usage"]["completion_tokens"] <= 5
     if not stream:  # (the same code path either way; a whole context's plain decoding is the slow part)
         whole = _complete(client, name, stream, chat=True, messages=messages[:2])
-        ids = encode_chat(runtime.tokenizer, messages[:2])
-        assert whole["text"] == reference(runtime, ids, CONTEXT - len(ids))[0]
+        ids = encode_chat(generation_runtime.tokenizer, messages[:2])
+        assert whole["text"] == reference(generation_runtime, ids, CONTEXT - len(ids))[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_stop_strings_cut_the_text_and_count_the_tokens_up_to_them(client, runtime, name, stream):
+def test_stop_strings_cut_the_text_and_count_the_tokens_up_to_them(client, generation_runtime, name, stream):
     prompt = "Stop somewhere"
-    ids = runtime.tokenizer.encode(prompt)
-    text, tokens, _ = reference(runtime, ids, 60)
+    ids = generation_runtime.tokenizer.encode(prompt)
+    text, tokens, _ = reference(generation_runtime, ids, 60)
     stop, i = stop_string_in(text, start=len(text) // 3)
-    needed = next(n for n in range(1, len(tokens) + 1) if stop in decoded(runtime.tokenizer, tokens[:n]))
+    needed = next(n for n in range(1, len(tokens) + 1) if stop in decoded(generation_runtime.tokenizer, tokens[:n]))
     for given in (stop, ["\x01never", stop]):
         out = _complete(client, name, stream, chat=False, prompt=prompt, max_tokens=60, stop=given)
         assert (out["text"], out["finish_reason"]) == (text[:i], "stop")
@@ -258,7 +244,7 @@ def _metric(http, line_start: str) -> float:
     return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines)
 
 
-def test_metrics_count_generations_and_tokens_and_draft_still_serves(server, client, name, dirs):
+def test_metrics_count_generations_and_tokens_and_draft_still_serves(server, client, name, generation_dirs):
     with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
         before = {k: _metric(http, k) for k in ("specdraft:generations_total", "specdraft:generation_tokens_total",
                                                 "specdraft:generation_target_steps_total",
@@ -281,7 +267,8 @@ def test_metrics_count_generations_and_tokens_and_draft_still_serves(server, cli
         assert draft.status_code == 200 and len(draft.json()["draft"]) == 16
         info = http.get("/info").json()
         assert info["target"]["name"] == name and info["target"]["context_length"] == CONTEXT
-        assert info["server"]["target"] == name and str(dirs[0].parent) not in json.dumps(info)  # no machine path
+        assert info["server"]["target"] == name
+        assert str(generation_dirs[0].parent) not in json.dumps(info)  # no machine path
 
 
 # ------------------------------------------------------------------ the queue bound and the drain
@@ -294,13 +281,14 @@ def _stream_lines(http, body):
 
 
 @pytest.mark.slow
-def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(dirs, runtime, name, tmp_path):
+def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(generation_dirs, generation_runtime, name,
+                                                                    tmp_path):
     """MAX_QUEUE=1 and the target held at its first step (a gate file): one generation runs, one waits, the next is
     refused at once with Retry-After; SIGTERM refuses new ones, lets both finish and then exits 0."""
-    target_dir, drafter_dir = dirs
+    target_dir, drafter_dir = generation_dirs
     gate = tmp_path / "gate"
     srv = ServerProcess(drafter_dir, tmp_path / "server.log", code=GATED_SERVER, TARGET=target_dir,
-                        TARGET_NUMERICS="fp32", API_KEY=KEY, MAX_QUEUE=1, REQUEST_TIMEOUT_S=60,
+                        API_KEY=KEY, MAX_QUEUE=1, REQUEST_TIMEOUT_S=60,
                         TEST_TARGET_GATE=gate)
     try:
         srv.wait_ready()
@@ -343,10 +331,10 @@ def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(dirs, runtim
         assert events[-1] == "[DONE]"
         chunks = [json.loads(e) for e in events[:-1]]
         assert "".join(c["choices"][0]["text"] for c in chunks) == reference(
-            runtime, runtime.tokenizer.encode("First"), 24)[0]
+            generation_runtime, generation_runtime.tokenizer.encode("First"), 24)[0]
         assert results["second"].status_code == 200
         assert results["second"].json()["choices"][0]["text"] == reference(
-            runtime, runtime.tokenizer.encode("Second"), 8)[0]
+            generation_runtime, generation_runtime.tokenizer.encode("Second"), 8)[0]
         assert srv.proc.wait(timeout=60) == 0, srv.log()
     finally:
         gate.unlink(missing_ok=True)
@@ -371,7 +359,7 @@ def test_target_setting(monkeypatch, env, target):
     assert settings.public()["target"] == target  # no such folder here: shown as given (a folder: its name only)
 
 
-def test_target_numerics_setting_is_the_runtimes(monkeypatch, dirs):
+def test_target_numerics_setting_is_the_runtimes(monkeypatch, generation_dirs):
     from pydantic import ValidationError
 
     from drafter_lib.decoding.runtime import NUMERICS
@@ -379,9 +367,9 @@ def test_target_numerics_setting_is_the_runtimes(monkeypatch, dirs):
 
     assert TARGET_NUMERICS == NUMERICS
     monkeypatch.setenv("TARGET_NUMERICS", "FP32")
-    monkeypatch.setenv("TARGET", str(dirs[0]))
+    monkeypatch.setenv("TARGET", str(generation_dirs[0]))
     settings = Settings.from_env()
-    assert settings.target_numerics == "fp32" and settings.public()["target"] == dirs[0].name
+    assert settings.target_numerics == "fp32" and settings.public()["target"] == generation_dirs[0].name
     monkeypatch.setenv("TARGET_NUMERICS", "int4")
     with pytest.raises(ValidationError) as e:
         Settings.from_env()

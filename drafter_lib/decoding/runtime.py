@@ -10,7 +10,7 @@ speculative decoding equals this runtime's own plain greedy decoding bit for bit
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,8 +31,7 @@ class TargetRuntime:
     stop_ids: tuple[int, ...]
     name: str
     context_length: int
-    numerics: str = "fp32"
-    info: dict = field(default_factory=dict)
+    numerics: str
 
     @property
     def model(self) -> Transformer:
@@ -56,13 +55,11 @@ def runtime_target(model: Transformer, numerics: str = "w8a8", kernel: str | Non
     return NativeTarget(model, linears="stock")
 
 
-def runtime_from_model(model: Transformer, tokenizer, name: str, numerics: str = "w8a8",
-                       info: dict | None = None) -> TargetRuntime:
+def runtime_from_model(model: Transformer, tokenizer, name: str, numerics: str = "w8a8") -> TargetRuntime:
     """A TargetRuntime around a hand-written decoder already in memory (fp32 weights), converted to `numerics`."""
     target = runtime_target(model, numerics, calibration=calibration_rows(tokenizer))
     return TargetRuntime(target=target, tokenizer=tokenizer, stop_ids=tuple(stop_token_ids(tokenizer)), name=name,
-                         context_length=int(model.config.max_position_embeddings), numerics=numerics,
-                         info=dict(info or {}))
+                         context_length=int(model.config.max_position_embeddings), numerics=numerics)
 
 
 @torch.inference_mode()

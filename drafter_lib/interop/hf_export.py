@@ -68,6 +68,8 @@ def _spec_from_record(rec, run_root: Path | None) -> str | None:
     source = str(rec.get("source", ""))
     if source == f"pypi:{hf_models.DEFAULT_TEACHER_PACKAGE}" or rec.get("name") == hf_models.DEFAULT_TEACHER:
         return hf_models.DEFAULT_TEACHER
+    if source.startswith("pypi:") and hf_models.parse_model_spec(rec.get("name") or "?")[0] == "parted":
+        return rec["name"]
     if source.startswith("hf:"):
         return f"{source[3:]}@{rec['revision']}" if rec.get("revision") else source[3:]
     if source == "local" and rec.get("path"):
@@ -111,6 +113,8 @@ def load_tokenizer(spec: str):
     kind, name, rev = hf_models.parse_model_spec(spec)
     if kind == "default":
         return hf_models.default_tokenizer()
+    if kind == "parted":
+        return hf_models.parted_tokenizer(name)
     if kind == "local":
         return AutoTokenizer.from_pretrained(name)
     return AutoTokenizer.from_pretrained(hf_models.hub_snapshot(name, rev))

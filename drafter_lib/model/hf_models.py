@@ -37,6 +37,9 @@ DEFAULT_TEACHER_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_MODELS = {
     "Qwen/Qwen3-8B": "b968826d9c46dd6066d109eabc6255188de91218",
     "Qwen/Qwen3-1.7B": "70d244cc86ccca08cf5af4e1e306ecf908b1ad5e",
+    # the hub originals of the parted GGUFs (parted_gguf.PARTED_MODELS), for machines that reach the hub
+    "Qwen/Qwen2.5-Coder-1.5B-Instruct": "2e1fd397ee46e1388853d2af2c993145b0f1098a",
+    "Qwen/Qwen2.5-Coder-0.5B-Instruct": "ea3f2471cf1b1f0db85067f1ef93848e38e88c25",
 }
 REAL_TEACHER = "Qwen/Qwen3-8B"
 REAL_DRAFTER = "Qwen/Qwen3-1.7B"

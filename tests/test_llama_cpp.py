@@ -167,3 +167,39 @@ def test_the_hook_never_stops_a_generation(tmp_path):
     assert seen[-1] == list(range(34, 50))  # 16 + 4 drafted = the drafter's 20
     down = SpecdraftDraftModel(SpeculativeClient(f"http://127.0.0.1:{free_port()}", max_retries=0), k=4)
     assert down(np.arange(10, dtype=np.intc)).tolist() == [] and down.failures == 1
+
+
+def test_a_llama_cpp_drafter_drafts_its_models_greedy_tokens_across_requests(setup, tiny_random):
+    """LlamaCppDrafter (a GGUF draft model, as llama.cpp users pair a small sibling with a target): each draft is its
+    model's greedy continuation, whether the request extends the tokens it holds (prefix kept) or parts from them
+    (cut back), and the runtime's speculative output with it equals its plain output."""
+    from drafter_lib.decoding.llama_cpp_target import LlamaCppDrafter
+    from drafter_lib.decoding.runtime import runtime_target
+    from drafter_lib.decoding.speculative import greedy_decode
+    from drafter_lib.model.transformer import Transformer
+
+    p, stop = setup["prompts"][1], setup["stop"]
+    fresh = LlamaCppTarget(setup["gguf"], n_ctx=1024)
+    drafter = LlamaCppDrafter(setup["gguf"], n_ctx=1024)
+    try:
+        def greedy(ctx, k):
+            fresh.reset()
+            return greedy_decode(fresh, ctx, k)
+
+        first = drafter.draft(p, 6)
+        assert first == greedy(p, 6)
+        longer = p + first[:3]
+        assert drafter.draft(longer, 5) == greedy(longer, 5)  # extends the cached prefix
+        other = p[:-4] + [13, 42]
+        assert drafter.draft(other, 4) == greedy(other, 4)  # parts from it: cut back, not reused
+        assert drafter.draft(other, 4) == greedy(other, 4)  # the very same request again
+        with pytest.raises(ValueError, match="k >= 1"):
+            drafter.draft(p, 0)
+        hf, _ = tiny_random("llama", tokenizer="default")  # the default tokenizer's vocabulary, like the drafter's
+        target = runtime_target(Transformer.from_hf_model(hf))
+        plain = greedy_decode(target, p, 40, stop)
+        for k in (1, 4, 9):
+            assert speculative_generate(target, p, 40, drafter, k=k, stop_ids=stop).tokens == plain
+    finally:
+        drafter.close()
+        fresh.close()

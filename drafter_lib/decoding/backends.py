@@ -13,17 +13,22 @@ cut at the first stop token, and with top_k > 0 the teacher's top-K log-probabil
             step's full-vocabulary logits go (`TopKRecorder`): what it holds grows as steps x batch x K.
   "vllm":   vLLM's offline engine (`drafter_lib.decoding.vllm_backend`), GPU only, tensor parallel across GPUs;
             vllm is imported only when this backend is made.
+
+The native and hf backends also `score` finished sequences teacher-forced (the teacher stage's scoring mode,
+`drafter_lib.teacher.scoring`): one right-padded forward per batch, the head only at the positions asked for.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from drafter_lib.common.chat import cut_at_stop
 from drafter_lib.decoding.generate import Finished, topk_logprobs
 
-__all__ = ["HFBackend", "NativeBackend", "TopKRecorder", "make_backend", "NATIVE_DTYPES", "BACKEND_NAMES"]
+__all__ = ["HFBackend", "NativeBackend", "TopKRecorder", "Scored", "score_positions", "make_backend", "NATIVE_DTYPES",
+           "BACKEND_NAMES"]
 
 NATIVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKEND_NAMES = ("auto", "native", "hf", "vllm")
@@ -58,6 +63,51 @@ class TopKRecorder:
     def stored_floats(self) -> int:
         """Numbers held (ids and log-probs): steps x batch x K each."""
         return sum(t.numel() for t in self.ids) + sum(t.numel() for t in self.logprobs)
+
+
+@dataclass
+class Scored:
+    """A scored row's distributions at sequence positions start, start + 1, ...: the greedy token at each
+    (`argmax` [n] long) and, with top_k > 0, the top-K (`ids` [n, K] int32, `logprobs` [n, K] float32)."""
+
+    argmax: torch.Tensor
+    ids: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
+
+
+def right_padded(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [B, T] of sequences padded on the right: every row starts at position 0, and a
+    pad sits after its row's real tokens, so under a causal mask no real token attends to it."""
+    T = max(len(p) for p in batch)
+    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), T), dtype=torch.long)
+    for i, p in enumerate(batch):
+        ids[i, :len(p)] = torch.tensor(p)
+        mask[i, :len(p)] = 1
+    return ids, mask
+
+
+@torch.inference_mode()
+def score_positions(hidden: torch.Tensor, head, starts: list[int], lens: list[int], top_k: int,
+                    head_rows: int = 512) -> list[Scored]:
+    """The head over final hidden states [B, T, H] at positions starts[i] .. lens[i] - 1 of each row only, `head_rows`
+    positions at a time (a [positions, V] product of a large vocabulary is big); its argmax and top-K there."""
+    flat = torch.cat([hidden[i, s:n] for i, (s, n) in enumerate(zip(starts, lens))])
+    arg, ids, lps = [], [], []
+    for s in range(0, len(flat), head_rows):
+        logits = head(flat[s:s + head_rows]).float()
+        arg.append(logits.argmax(-1))
+        if top_k:
+            a, b = topk_logprobs(logits, top_k)
+            ids.append(a)
+            lps.append(b)
+    arg = torch.cat(arg)
+    ids, lps = (torch.cat(ids), torch.cat(lps)) if top_k else (None, None)
+    out, e = [], 0
+    for s, n in zip(starts, lens):
+        b, e = e, e + n - s
+        out.append(Scored(arg[b:e], ids[b:e] if top_k else None, lps[b:e] if top_k else None))
+    return out
 
 
 def left_padded(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,6 +175,16 @@ class HFBackend:
                 yield Finished(b0 + i, toks, start, sid.cpu(), slp.float().cpu())
 
 
+    @torch.inference_mode()
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int = 0) -> list[Scored]:
+        """One teacher-forced forward over the right-padded `sequences`; row i's distributions at positions
+        starts[i] .. len(sequences[i]) - 1 (`score_positions`)."""
+        ids, mask = right_padded(sequences, self.pad_id)
+        h = self.model.get_decoder()(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)
+                                     ).last_hidden_state
+        return score_positions(h, self.model.get_output_embeddings(), starts, [len(s) for s in sequences], top_k)
+
+
 class NativeBackend:
     """The project's hand-written decoder with the teacher's weights, continuous batching (fast greedy on CPU)."""
 
@@ -162,6 +222,14 @@ class NativeBackend:
         yield from stream_generate(self.model, prompts, max_new_tokens, stop_ids, batch_size, topk=top_k,
                                    prompt_topk=prompt_top_k, refill=self.schedule == "continuous",
                                    prefill_group=self.prefill_group, row_blocks=self.row_blocks)
+
+    @torch.inference_mode()
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int = 0) -> list[Scored]:
+        """One teacher-forced forward over the right-padded `sequences` (no KV cache: each row attends to its own
+        earlier positions); row i's distributions at positions starts[i] .. len(sequences[i]) - 1."""
+        ids, _ = right_padded(sequences, 0)
+        h = self.model.hidden(ids, torch.arange(ids.shape[1]).expand_as(ids))
+        return score_positions(h, self.model.lm_head, starts, [len(s) for s in sequences], top_k)
 
 
 def _model_folder(model) -> str:

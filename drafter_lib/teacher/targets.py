@@ -19,71 +19,40 @@ tensor parallel; `drafter_lib.decoding.vllm_backend`); "auto" picks native or hf
 so the file, its soft labels, sharding and resume are the same whichever ran; a vllm run records
 `"backend": "vllm"` and its tensor_parallel_size in the meta's generation settings (its kernels differ from the
 others', so a resume must not mix them).
+
+The row file, its meta and resume are `row_file`'s, shared with the two other modes of the CLI (`main`):
+`--score ROWS` (`scoring`: the teacher's labels for continuations written by someone else, one teacher-forced pass
+per batch) and `--drafter DIR` (`drafter_rows`: the drafter's own continuations, for scoring).
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
 from drafter_lib.common.chat import cut_at_stop, encode_chat, prompt_messages, stop_token_ids
-from drafter_lib.common.files import read_json, read_jsonl, read_rows, sha256_file, write_json, write_jsonl
-from drafter_lib.common.layout import portable_value, repo_relative
+from drafter_lib.common.files import read_json, read_jsonl, read_rows, write_json, write_jsonl
+from drafter_lib.common.layout import repo_relative
 from drafter_lib.decoding.backends import make_backend
-from drafter_lib.teacher.soft_labels import (
-    SoftRow,
-    SoftWriter,
-    load_soft_labels,
-    parts_record,
-    reconcile,
-    soft_dir_for,
-    stored_row_ids,
+from drafter_lib.teacher.row_file import (
+    FORMAT_VERSION,
+    RowWriter,
+    chat_template_sha256,
+    meta_path,
+    output_record,
+    teacher_record,
 )
-
-FORMAT_VERSION = 1
-
-
-# ---------------------------------------------------------------- prompts and tokens
-
-
-
-def record_id(record: dict) -> str:
-    rid = record.get("id", record.get("question_id"))
-    if rid is None:
-        raise ValueError(f"prompt record without 'id': {str(record)[:200]}")
-    return str(rid)
-
-
-
-
-
-
-
+from drafter_lib.teacher.row_file import weights_sha256 as weights_sha256
+from drafter_lib.teacher.shards import record_id, select_shard
+from drafter_lib.teacher.shards import shard_of as shard_of
+from drafter_lib.teacher.soft_labels import SoftRow, SoftWriter, load_soft_labels, parts_record, soft_dir_for
 
 # ---------------------------------------------------------------- sharding, resume, merge
-
-def shard_of(prompt_id: str, num_shards: int) -> int:
-    """Stable shard of an id (sha256, not Python's salted hash), so every machine agrees."""
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    h = hashlib.sha256(str(prompt_id).encode("utf-8")).digest()
-    return int.from_bytes(h[:8], "big") % num_shards
-
-
-def select_shard(records: Sequence[dict], shard_index: int, num_shards: int) -> list[dict]:
-    if not 0 <= shard_index < num_shards:
-        raise ValueError(f"shard_index must be in [0, {num_shards}), got {shard_index}")
-    return [r for r in records if shard_of(record_id(r), num_shards) == shard_index]
-
-
-
 
 def merge_shards(shard_paths: Sequence[str | os.PathLike], out_path: str | os.PathLike) -> int:
     """Concatenate shard files into one, sorted by id. Duplicated ids must carry identical rows.
@@ -136,31 +105,6 @@ def _merge_soft(dirs: Sequence[Path], out_dir: Path, ids: Sequence[str], k: int,
         w.write([rows[i] for i in ids[s:s + rows_per_part]])
 
 
-def meta_path(out_path: str | os.PathLike) -> Path:
-    return Path(str(out_path) + ".meta.json")
-
-
-def output_record(out_path: str | os.PathLike, rows: int) -> dict:
-    """The meta's description of a finished targets file: name, row count, sha256 of its bytes."""
-    out_path = Path(out_path)
-    return {"file": out_path.name, "rows": rows, "sha256": sha256_file(out_path)}
-
-
-def chat_template_sha256(tokenizer) -> str:
-    """Identifies how prompts were templated (the meta records it; verify recomputes it)."""
-    return hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()
-
-
-def weights_sha256(model: torch.nn.Module) -> str:
-    """sha256 over (name, dtype, shape, bytes) of the state dict - identifies the exact teacher weights."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        t = t.detach().contiguous().cpu()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
 # ---------------------------------------------------------------- the generation loop
 
 def generate_targets(
@@ -203,8 +147,6 @@ def generate_targets(
     if soft_topk < 0 or (soft_prompt and not soft_topk):
         raise ValueError(f"soft_topk must be >= 0 and soft_prompt needs soft_topk > 0 (got {soft_topk}, {soft_prompt})")
     flush_rows = flush_rows or batch_size
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     stop_ids = stop_token_ids(tokenizer)
     generation = {"max_new_tokens": max_new_tokens, "stop_ids": stop_ids, "greedy": True,
                   "chat_template_sha256": chat_template_sha256(tokenizer)}
@@ -215,71 +157,29 @@ def generate_targets(
         generation.update(soft_topk=soft_topk, soft_prompt=soft_prompt)
     if backend == "vllm":
         generation.update(backend="vllm", tensor_parallel_size=int((vllm_options or {}).get("tensor_parallel_size", 1)))
-    meta = {
-        "format_version": FORMAT_VERSION,
-        "teacher": {
-            "id": portable_value(teacher_id or getattr(model.config, "_name_or_path", None)
-                                    or model.config.model_type),
-            "revision": teacher_revision,
-            "weights_sha256": weights_sha256(model),
-            "model_type": model.config.model_type,
-        },
-        "generation": generation,
-        "shard_index": shard_index,
-        "num_shards": num_shards,
-    }
-    mp = meta_path(out_path)
-    if mp.exists() and out_path.exists():
-        old = read_json(mp)
-        for key in ("teacher", "generation", "shard_index", "num_shards"):
-            if old.get(key) != meta[key]:
-                raise ValueError(f"{out_path} was started with a different {key} ({old.get(key)} != {meta[key]}); "
-                                 "use a new output path")
+    meta = {"format_version": FORMAT_VERSION, "teacher": teacher_record(model, teacher_id, teacher_revision),
+            "generation": generation, "shard_index": shard_index, "num_shards": num_shards}
     # the backend before any file: one that cannot start (vllm missing, no model folder) leaves nothing behind
     gen = make_backend(backend, model, tokenizer, dtype=native_dtype, schedule=schedule, vllm_options=vllm_options,
                        **(native_options or {}))
-    write_json(mp, meta)  # without "output" until this call finishes: an unfinished file has no recorded hash
-
     mine = select_shard(records, shard_index, num_shards)
     ids = [record_id(r) for r in mine]
     if len(set(ids)) != len(ids):
         raise ValueError("duplicate prompt ids in the input")
-    done = {row["id"] for row in read_rows(out_path, repair=True)}
-    soft_dir = soft_dir_for(out_path)
-    writer = None
-    if soft_topk:
-        reconcile(soft_dir, done)  # parts of a killed flush whose rows never reached the targets file
-        have = stored_row_ids(soft_dir)
-        if done - have:
-            raise ValueError(f"{len(done - have)} rows of {out_path} have no soft labels in {soft_dir}")
-        writer = SoftWriter(soft_dir, soft_topk)
-    todo = []
-    for r in mine:
-        if record_id(r) not in done:
-            todo.append((r, encode_chat(tokenizer, prompt_messages(r))))
-    todo.sort(key=lambda x: (len(x[1]), record_id(x[0])))  # length-sorted batches pad little
 
-    n_tok, n_rows, t0, flushes, pending = 0, 0, time.perf_counter(), 0, []
-    bar = tqdm(total=len(todo), desc=f"teacher[{gen.name}] shard {shard_index}/{num_shards}", unit="prompt",
-               disable=not progress)
-    with open(out_path, "a") as f:
-        def flush():
-            nonlocal n_rows, flushes
-            rows = [row for row, _ in pending]
-            if writer is not None:  # soft part first: a targets row is never without its soft labels
-                writer.write([sr for _, sr in pending])
-            # one write per flush: a crash leaves at most one partial line, which resume drops
-            f.write("".join(json.dumps(row) + "\n" for row in rows))
-            f.flush()
-            os.fsync(f.fileno())
-            n_rows += len(rows)
-            pending.clear()
-            bar.update(len(rows))
-            bar.set_postfix(tok_s=f"{n_tok / max(time.perf_counter() - t0, 1e-9):.0f}")
-            flushes += 1
-            if on_batch is not None:
-                on_batch(flushes - 1, rows)
+    n_tok, t0 = 0, time.perf_counter()
+    bar = tqdm(desc=f"teacher[{gen.name}] shard {shard_index}/{num_shards}", unit="prompt", disable=not progress)
 
+    def flushed(index: int, rows: list[dict]):
+        bar.update(len(rows))
+        bar.set_postfix(tok_s=f"{n_tok / max(time.perf_counter() - t0, 1e-9):.0f}")
+        if on_batch is not None:
+            on_batch(index, rows)
+
+    with RowWriter(out_path, meta, soft_topk, flush_rows, on_flush=flushed) as writer:
+        todo = [(r, encode_chat(tokenizer, prompt_messages(r))) for r in mine if record_id(r) not in writer.done]
+        todo.sort(key=lambda x: (len(x[1]), record_id(x[0])))  # length-sorted batches pad little
+        bar.reset(total=len(todo))
         stream = gen.stream([p for _, p in todo], max_new_tokens, stop_ids, batch_size, top_k=soft_topk,
                             prompt_top_k=soft_prompt)
         for fin in stream:
@@ -291,35 +191,43 @@ def generate_targets(
             if soft_topk:
                 n = (len(p) - 1 - fin.soft_start) + len(c)  # prompt entries (if any) + one per continuation token
                 sr = SoftRow(row["id"], fin.soft_start, fin.soft_ids[:n], fin.soft_logprobs[:n])
-            pending.append((row, sr))
             n_tok += len(c)
-            if len(pending) >= flush_rows:
-                flush()
-        if pending:
-            flush()
+            writer.add(row, sr)
+        writer.finish()
     bar.close()
     dt = time.perf_counter() - t0
-    output = output_record(out_path, len(done) + n_rows)
-    if soft_topk:
-        output["soft"] = parts_record(soft_dir, out_path.parent)
-    write_json(mp, {**meta, "output": output})
-    return {"written": n_rows, "already_done": len(done), "new_tokens": n_tok, "seconds": dt,
+    return {"written": writer.written, "already_done": len(writer.done), "new_tokens": n_tok, "seconds": dt,
             "tokens_per_s": n_tok / dt if dt > 0 else 0.0, "backend": gen.name}
 
 
 # ---------------------------------------------------------------- CLI
 
 def _load_records(path: str) -> list[dict]:
-    try:
-        from drafter_lib.data.corpora import load_prompt_file  # owner: models; handles both prompt formats
-        return list(load_prompt_file(path))
-    except ImportError:
+    """Prompt records of a prompt file (both formats), or rows that already hold prompt_ids (a targets file)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"prompt file {path} not found")
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+    if first.strip() and "prompt_ids" in json.loads(first):
         return read_jsonl(path)
+    from drafter_lib.data.corpora import load_prompt_file  # handles both prompt formats
+    return list(load_prompt_file(path))
+
+
+def _tokenizer(spec: str):
+    from drafter_lib.model import hf_models
+
+    if spec.lower() == hf_models.DEFAULT_TEACHER:
+        return hf_models.default_tokenizer()  # no weights needed
+    return hf_models.load_teacher(spec)[1]
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Write greedy teacher continuations (resumable, shardable).")
-    ap.add_argument("--prompts", required=True, help="prompt JSONL (project format or question.jsonl)")
+    ap = argparse.ArgumentParser(
+        description="Teacher data (resumable, shardable): the teacher's greedy continuations of --prompts; with "
+                    "--score ROWS the teacher's labels for continuations written by someone else; with --drafter "
+                    "DIR the drafter's own continuations of --prompts, for --score.")
+    ap.add_argument("--prompts", help="prompt JSONL (project format or question.jsonl), or rows with prompt_ids")
     ap.add_argument("--out", required=True)
     ap.add_argument("--teacher", default="smollm2-135m-instruct")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -332,17 +240,48 @@ def main(argv=None):
     ap.add_argument("--soft-prompt", action="store_true", help="also store top-K at prompt positions")
     ap.add_argument("--native-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--merge", nargs="*", help="merge these shard files into --out and exit")
+    ap.add_argument("--score", metavar="ROWS", help="score the continuations of these rows (JSONL with prompt_ids and "
+                    "continuation_ids) in one teacher-forced pass per batch; needs --soft-topk and/or --hard-labels")
+    ap.add_argument("--hard-labels", action="store_true",
+                    help="with --score: also store the teacher's greedy token per position (target_argmax_ids)")
+    ap.add_argument("--drafter", metavar="DIR", help="write the drafter's greedy continuations of --prompts instead "
+                    "(a packed model dir or a training checkpoint folder); --teacher gives the tokenizer")
+    ap.add_argument("--drafter-dtype", default=None, help="with --drafter: the engine's weights (default: the dir's)")
     args = ap.parse_args(argv)
-    if args.merge:
-        print(f"merged {merge_shards(args.merge, args.out)} rows into {args.out}")
-        return
-    from drafter_lib.model import hf_models  # owner: models
-    model, tok = hf_models.load_teacher(args.teacher)  # on the CPU (with --backend vllm, vLLM loads its own copy)
-    rev = getattr(model.config, "_commit_hash", None)
-    stats = generate_targets(_load_records(args.prompts), model, tok, args.out, max_new_tokens=args.max_new_tokens,
-                             batch_size=args.batch_size, backend=args.backend, shard_index=args.shard_index,
-                             num_shards=args.num_shards, teacher_id=args.teacher, teacher_revision=rev,
-                             soft_topk=args.soft_topk, soft_prompt=args.soft_prompt, native_dtype=args.native_dtype,
-                             vllm_options={"tensor_parallel_size": args.tensor_parallel_size}
-                             if args.backend == "vllm" else None)
+    if sum(map(bool, (args.merge, args.score, args.drafter))) > 1:
+        ap.error("--merge, --score and --drafter are separate modes: give one")
+    if not (args.merge or args.score or args.prompts):
+        ap.error("--prompts is required (or --score ROWS, or --merge FILES)")
+    try:
+        if args.merge:
+            print(f"merged {merge_shards(args.merge, args.out)} rows into {args.out}")
+            return
+        if args.drafter:
+            from drafter_lib.teacher.drafter_rows import draft_continuations
+
+            stats = draft_continuations(_load_records(args.prompts), args.drafter, _tokenizer(args.teacher), args.out,
+                                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                        dtype=args.drafter_dtype)
+            print(json.dumps(stats))
+            return
+        from drafter_lib.model import hf_models  # owner: models
+        model, tok = hf_models.load_teacher(args.teacher)  # on the CPU (with --backend vllm, vLLM loads its own copy)
+        rev = getattr(model.config, "_commit_hash", None)
+        if args.score:
+            from drafter_lib.teacher.scoring import score_targets
+
+            stats = score_targets(args.score, model, tok, args.out, soft_topk=args.soft_topk,
+                                  soft_prompt=args.soft_prompt, hard_labels=args.hard_labels,
+                                  batch_size=args.batch_size, backend=args.backend, shard_index=args.shard_index,
+                                  num_shards=args.num_shards, teacher_id=args.teacher, teacher_revision=rev)
+        else:
+            stats = generate_targets(_load_records(args.prompts), model, tok, args.out,
+                                     max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                                     backend=args.backend, shard_index=args.shard_index, num_shards=args.num_shards,
+                                     teacher_id=args.teacher, teacher_revision=rev, soft_topk=args.soft_topk,
+                                     soft_prompt=args.soft_prompt, native_dtype=args.native_dtype,
+                                     vllm_options={"tensor_parallel_size": args.tensor_parallel_size}
+                                     if args.backend == "vllm" else None)
+    except (FileNotFoundError, ValueError) as e:  # bad input: one line naming the problem, no traceback
+        raise SystemExit(f"specdraft-teacher: {e}") from None
     print(json.dumps(stats))

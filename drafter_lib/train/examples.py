@@ -4,7 +4,11 @@ which is what makes resume and multi-process runs reproduce a single-process run
 
 With a soft-label directory (`drafter_lib.teacher.soft_labels`), each example also carries the teacher's top-K
 log-probabilities, joined by row id, and batches carry them per position (`soft_ids`, `soft_logprobs`,
-`soft_mask`) for the top-K losses and for loss at prompt positions."""
+`soft_mask`) for the top-K losses and for loss at prompt positions.
+
+A row the target scored rather than wrote (`drafter_lib.teacher.scoring`) holds another model's continuation; with
+its "target_argmax_ids" (the target's greedy token at each continuation position) those are the hard targets
+instead of the continuation's own next tokens, and its soft labels are the target's distributions there."""
 from __future__ import annotations
 
 import os
@@ -27,6 +31,12 @@ class Example:
     soft_start: int = -1                         # sequence position of soft_ids[0]; -1: no soft labels
     soft_ids: torch.Tensor | None = None         # [n, K] int32, entry j = distribution at soft_start + j
     soft_logprobs: torch.Tensor | None = None    # [n, K] float16
+    labels: list[int] | None = None              # hard target per continuation token; None: the tokens themselves
+
+    @property
+    def continuation_targets(self) -> list[int]:
+        """The hard targets of the continuation positions: its labels, or the continuation's own tokens."""
+        return self.ids[self.prompt_len:] if self.labels is None else self.labels
 
     @property
     def prompt_soft(self) -> int:
@@ -46,9 +56,17 @@ def load_examples(path: str | os.PathLike, max_seq_len: int, soft_dir: str | os.
 
     out = []
     for row in read_rows(path):
-        ids = (list(row["prompt_ids"]) + list(row["continuation_ids"]))[:max_seq_len]
-        if len(ids) > len(row["prompt_ids"]):
-            out.append(Example(str(row["id"]), ids, len(row["prompt_ids"])))
+        p, c = row["prompt_ids"], row["continuation_ids"]
+        ids = (list(p) + list(c))[:max_seq_len]
+        if len(ids) <= len(p):
+            continue
+        labels = row.get("target_argmax_ids")
+        if labels is not None:
+            if len(labels) != len(c):
+                raise ValueError(f"{path}: row {row['id']!r} has {len(labels)} target_argmax_ids for {len(c)} "
+                                 "continuation tokens")
+            labels = list(labels[:len(ids) - len(p)])
+        out.append(Example(str(row["id"]), ids, len(p), labels=labels))
     if not out:
         raise ValueError(f"{path}: no usable rows (empty file or every prompt longer than max_seq_len={max_seq_len})")
     if soft_dir is not None:
@@ -78,7 +96,7 @@ def soft_dir_of(cfg, targets_path: str) -> str | None:
 
 def split_val(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
     """Held-out split by stable id hash (same split on every machine and every run)."""
-    from drafter_lib.teacher.targets import shard_of
+    from drafter_lib.teacher.shards import shard_of
 
     if fraction <= 0:
         return examples, []
@@ -87,9 +105,11 @@ def split_val(examples: list[Example], fraction: float) -> tuple[list[Example], 
     return [e for e in examples if e.id not in vids], val
 
 
-def target_ids(ids: Sequence[int], prompt_len: int) -> list[int]:
-    """Next-token targets for each input position: ids[t+1] where t+1 is a continuation token, else IGNORE."""
-    return [ids[t + 1] if t + 1 >= prompt_len else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
+def target_ids(ids: Sequence[int], prompt_len: int, labels: Sequence[int] | None = None) -> list[int]:
+    """Next-token targets for each input position: ids[t+1] (or labels[t+1 - prompt_len] when given) where t+1 is a
+    continuation token, else IGNORE."""
+    nxt = ids[prompt_len:] if labels is None else labels
+    return [nxt[t + 1 - prompt_len] if t + 1 >= prompt_len else IGNORE for t in range(len(ids) - 1)] + [IGNORE]
 
 
 def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Tensor]:
@@ -104,7 +124,7 @@ def collate(examples: Sequence[Example], pad_id: int = 0) -> dict[str, torch.Ten
         n = len(e.ids)
         inp[i, :n] = torch.tensor(e.ids)
         att[i, :n] = 1
-        tgt[i, :n] = torch.tensor(target_ids(e.ids, e.prompt_len))
+        tgt[i, :n] = torch.tensor(target_ids(e.ids, e.prompt_len, e.labels))
     batch = {"input_ids": inp, "attention_mask": att, "targets": tgt}
     with_soft = [e.soft_ids is not None for e in examples]
     if any(with_soft):

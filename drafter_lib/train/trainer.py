@@ -231,7 +231,7 @@ class Trainer:
         self.vocab_size = int(self.model.config.vocab_size)
         self.head_ids = None
         if cfg.draft_vocab_size:  # ids are a pure function of the data: a resumed run picks the same ones
-            self.head_ids = reduce_for_continuations(self.model, self.tok, [e.ids[e.prompt_len:] for e in
+            self.head_ids = reduce_for_continuations(self.model, self.tok, [e.continuation_targets for e in
                                                                             self.train_ex], cfg.draft_vocab_size)
         self.teacher = None
         if cfg.kl_weight > 0:

@@ -143,6 +143,31 @@ def test_dolly_enters_only_when_the_mixture_names_it():
         D.default_sources(VENDORED, humaneval=False, corpora=["nope"])
 
 
+CODING = {"gpteacher_code_instruct": ("code_requests", 4535, "MIT"), "octopack_oasst": ("oasst", 1176, "MIT")}
+
+
+def test_the_coding_corpora_enter_only_when_the_mixture_names_them():
+    from drafter_lib.study.config_sections import DEFAULT_SOURCE_WEIGHTS
+
+    files = manifest()["files"]
+    for name, (category, rows, license_) in CODING.items():
+        e = files[f"{name}.jsonl.xz"]
+        assert (e["category"], e["rows"], e["default"]) == (category, rows, False)
+        assert e["license"].startswith(license_) and e["own_categories"] == 1
+        assert name not in V.DEFAULT_CORPORA and name not in DEFAULT_SOURCE_WEIGHTS
+    weights = {**DEFAULT_SOURCE_WEIGHTS, "gpteacher_code_instruct": 2.0}
+    assert D.corpora_for(weights) == [*V.DEFAULT_CORPORA, "gpteacher_code_instruct"]  # octopack_oasst: not named
+    srcs = D.default_sources(VENDORED, humaneval=False, corpora=D.corpora_for({**weights, "octopack_oasst": 1.0}))
+    coding = {s["name"]: s for s in srcs if s["name"] in CODING}
+    assert {n: s["force_category"] for n, s in coding.items()} == {n: c[0] for n, c in CODING.items()}
+    recs, prov = D.load_source(coding["octopack_oasst"])  # read through the checks; user turns only
+    assert len(recs) == 1176 and {r["category"] for r in recs} == {"oasst"}
+    assert all([m["role"] for m in r["messages"]] == ["user"] for r in recs)
+    assert prov["input_sha256"] == files["octopack_oasst.jsonl.xz"]["decompressed_sha256"]
+    assert prov["source"] == "file:octopack_oasst.jsonl" and prov["commit"] == V.SHARED_CORPORA[
+        "octopack_oasst.jsonl"]["commit"]
+
+
 def _default_prompt_set(run_dir: Path, folder: Path) -> dict:
     """The default study's 01_data without the length filter (stages.build_prompts minus the tokenizer)."""
     from drafter_lib.study.config_sections import DEFAULT_SOURCE_WEIGHTS, DataConfig

@@ -10,7 +10,8 @@ hashes and raises `CorpusIntegrityError` naming the file; `build_vendored` (re)m
     python -m drafter_lib.data.vendored --from ../shared/data   # (re)build data/corpora/ from that folder
     python -m drafter_lib.data.vendored --check                 # check the copies against the manifest
 
-Only `DEFAULT_CORPORA` enter a study unnamed; another corpus (dolly_15k) is loaded only when a mixture names it.
+Only `DEFAULT_CORPORA` enter a study unnamed; another corpus (dolly_15k, gpteacher_code_instruct, octopack_oasst)
+is loaded only when a mixture names it.
 """
 from __future__ import annotations
 
@@ -30,13 +31,16 @@ from drafter_lib.data.prompt_files import jsonl_rows, records_from_rows
 SUFFIX = ".xz"
 MANIFEST = "manifest.json"
 SCHEMA = "specdraft-vendored-corpora/1"
-XZ_PRESET = 9 | lzma.PRESET_EXTREME  # measured: 3.26 MB for all four (gzip -9: 5.74 MB)
+XZ_PRESET = 9 | lzma.PRESET_EXTREME  # measured: 3.54 MB for all six (gzip -9: 6.09 MB)
 COMPRESSION = "xz (Python lzma, FORMAT_XZ, CHECK_CRC64, preset 9 | PRESET_EXTREME)"
 
 # Coarse categories for the shared corpora (their own categories are per template: ~270 in T0, 175 seed tasks;
 # Dolly's 8 (open_qa, summarization, ...) would mix with the held-out sets' category names).
+# GPTeacher's coding instructions and the OpenAssistant turns get their own (apart from the synthetic and HumanEval
+# "code" and MT-bench's "coding", so a report tells them apart).
 SHARED_CATEGORIES = {"t0_train_prompts.jsonl": "t0_tasks", "gsm8k_train_questions.jsonl": "math",
-                     "self_instruct_seed_tasks.jsonl": "instructions", "dolly_15k.jsonl": "human_requests"}
+                     "self_instruct_seed_tasks.jsonl": "instructions", "dolly_15k.jsonl": "human_requests",
+                     "gpteacher_code_instruct.jsonl": "code_requests", "octopack_oasst.jsonl": "oasst"}
 # Provenance of the shared corpora (from ../shared/data/README.md): upstream repo, commit, path, license.
 SHARED_CORPORA = {
     "t0_train_prompts.jsonl": {
@@ -59,6 +63,18 @@ SHARED_CORPORA = {
                      "shards by that repo; ids are positions in that order; prompt = instruction, blank line, "
                      "context where it has one; 203 duplicate prompts dropped",
         "license": "CC BY-SA 3.0 (Databricks; passages from Wikipedia, CC BY-SA)"},
+    "gpteacher_code_instruct.jsonl": {
+        "upstream": "https://github.com/teknium1/GPTeacher", "commit": "481075123c29854bddb82655badeef6a438f2436",
+        "upstream_path": "Codegen/codegen-instruct.json",
+        "selection": "coding instructions in many languages; prompt = instruction, blank line, input where it has "
+                     "one; responses dropped",
+        "license": "MIT (repo LICENSE)"},
+    "octopack_oasst.jsonl": {
+        "upstream": "https://github.com/bigcode-project/octopack", "commit": "e17a8f6470264286bc6a52eb8263582083bf3bf6",
+        "upstream_path": "dataset/oasst/oasstcommitpackftmanual.jsonl",
+        "selection": "OpenAssistant user turns written by people (many about code, some not in English) plus "
+                     "commit-message edit requests; prompt field only; 2 duplicates dropped",
+        "license": "MIT (repo LICENSE); OpenAssistant data Apache-2.0"},
 }
 # The corpora a study loads without naming them (the default mixture's); any other enters only by name.
 DEFAULT_CORPORA = ("t0_train_prompts", "gsm8k_train_questions", "self_instruct_seed_tasks")

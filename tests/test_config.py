@@ -23,7 +23,7 @@ def _needs_default_teacher():
 
 
 def test_presets_round_trip():
-    assert set(C.PRESETS) == {"smoke", "default", "long", "full"}
+    assert set(C.PRESETS) == {"smoke", "default", "long", "full", "qwen-coder"}
     for name in C.PRESETS:
         cfg = C.build_config(name, check_models=name == "smoke")
         assert isinstance(cfg.train, TrainConfig)  # train.py's own dataclass is the train section

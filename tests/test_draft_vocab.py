@@ -31,7 +31,7 @@ def test_select_ids_by_frequency_with_always_and_filler():
         DV.select_ids(counts, 1, V, always=[1, 2])
 
 
-@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen3", False)])
+@pytest.mark.parametrize("arch,tie", [("llama", True), ("qwen2", True), ("qwen3", False)])
 def test_reduced_head_logits_are_the_full_heads_rows(arch, tie):
     hf = tiny_hf(arch, vocab_size=V, tie_word_embeddings=tie)
     ids = torch.tensor([0, 3, 11, 40, 41, 96])

@@ -309,3 +309,66 @@ def test_from_dir_holds_the_packed_int8_rows_as_stored(hf, tmp_path):
         DraftEngine(tmp_path / "m")
     with pytest.raises(TypeError, match="Transformer"):
         DraftEngine({"not": "a model"})
+
+
+# ------------------------------------------------------------------ Qwen2: q/k/v biases in every weight format
+
+def qwen2_with_biases():
+    """A tiny Qwen2 with sharp weights (as `_sharp_model`) and q/k/v biases large enough that every draft below
+    changes without them."""
+    m = tiny_hf("qwen2", vocab_size=V, num_hidden_layers=2, tie_word_embeddings=True)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.dim() == 2 or n.endswith(".bias"):
+                p.normal_(0, 0.3 if p.dim() == 2 else 0.5, generator=torch.Generator().manual_seed(p.numel()))
+    m.generation_config.eos_token_id = None
+    return m
+
+
+def held_state(state: dict, dtype: str) -> dict:
+    """`state` with every matrix as the engine holds it in `dtype` (the int8 modes: per-row int8, the table and head
+    too); biases and norms stay as they are."""
+    from drafter_lib.engine.weight_formats import int8_rows
+
+    out = {}
+    for k, v in state.items():
+        if v.dim() == 2 and dtype in ("int8", "int8w"):
+            q, scale = int8_rows(v)
+            v = q.float() * scale
+        elif v.dim() == 2 and dtype != "float32":
+            v = v.to(getattr(torch, dtype)).float()
+        out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "int8w", "int8"])
+def test_qwen2_biases_are_added_in_every_weight_format(dtype):
+    """Each format keeps the q/k/v biases exact in fp32 and adds them: the engine drafts what an fp32 engine holding
+    the same rounded matrices drafts, which (fp32) is transformers' greedy output; "int8", whose activations are
+    rounded too, gives logits far closer to that engine's than a model without the biases does."""
+    hf = qwen2_with_biases()
+    state = hf.state_dict()
+    eng = make_engine(hf, dtype=dtype)
+    for i, layer in enumerate(eng.model.model.layers):
+        att = layer.self_attn
+        assert att.o_proj.bias is None
+        for n in ("q_proj", "k_proj", "v_proj"):
+            b = getattr(att, n).bias
+            assert b.dtype == torch.float32 and torch.equal(b, state[f"model.layers.{i}.self_attn.{n}.bias"])
+    ref = DraftEngine.from_state_dict(hf.config.to_dict(), held_state(state, dtype), dtype="float32")
+    prompts = [rand_tokens(n, 80 + n) for n in (3, 17, 40)]
+    if dtype == "int8":
+        no_bias = {k: (v.zero_() if k.endswith(".bias") else v) for k, v in held_state(state, dtype).items()}
+        no_bias = DraftEngine.from_state_dict(hf.config.to_dict(), no_bias, dtype="float32")
+        for p in prompts:
+            ids, pos = torch.tensor([p]), torch.arange(len(p))[None]
+            want = ref.model(ids, pos)
+            gap = (want - no_bias.model(ids, pos)).abs().max()
+            assert (eng.model(ids, pos) - want).abs().max() < 0.2 * gap
+        return
+    drafts = [eng.draft(p, 12) for p in prompts]
+    assert drafts == [ref.draft(p, 12) for p in prompts]
+    assert eng.draft_batch(prompts, 12) == drafts
+    assert len({tuple(d) for d in drafts}) > 1  # not degenerate: the checks above can fail
+    if dtype == "float32":
+        assert drafts == [hf_greedy(hf, p, 12) for p in prompts]

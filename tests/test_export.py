@@ -16,7 +16,7 @@ V = 97
 
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def exported(request, tmp_path_factory):
     arch = request.param
     drafter = _sharpen(tiny_hf(arch, vocab_size=V, num_hidden_layers=2, hidden_size=64, intermediate_size=128,
@@ -40,8 +40,17 @@ def _prompt(n, seed):
 
 
 def test_exported_drafts_equal_engine_fp32(exported):
-    _, packed, hf_dir, _ = exported
+    from drafter_lib.model.transformer import Transformer
+    from drafter_lib.packed.model_dir import read_model_dir
+
+    arch, packed, hf_dir, _ = exported
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    pack = read_model_dir(packed)
+    assert reloaded.config.model_type == arch
+    ids = torch.tensor([_prompt(30, 9)])
+    with torch.no_grad():  # the same logits as the pack restored into the hand-written decoder (biases and all)
+        ours = Transformer.from_hf(pack.config, pack.state_dict)(ids, torch.arange(30)[None])
+        torch.testing.assert_close(reloaded(ids).logits, ours, rtol=0, atol=1e-4)
     engine = DraftEngine.from_dir(packed, dtype="float32", copy_policy={"enabled": False})
     drafts = []
     for seed, n in enumerate((3, 17, 40)):

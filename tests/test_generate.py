@@ -13,7 +13,7 @@ def hf_greedy(hf, prompt, n, stop=None):
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def models(request):
     hf = tiny_hf(request.param, tie_word_embeddings=True, vocab_size=61, num_hidden_layers=2)
     hf.generation_config.eos_token_id = None

@@ -151,3 +151,11 @@ def test_backend_names():
     assert backends.BACKEND_NAMES == ("auto", "native", "hf", "vllm")
     with pytest.raises(ValueError, match="unknown backend"):
         make_backend("tgi", tiny_model(0), tiny_tokenizer())
+
+
+def test_auto_runs_every_architecture_of_the_hand_written_decoder_natively():
+    from drafter_lib.model.tiny_models import tiny_random_model
+
+    for arch in ("llama", "qwen2", "qwen3"):
+        model, tok = tiny_random_model(arch, tokenizer="bytes", num_hidden_layers=1)
+        assert make_backend("auto", model, tok, sliced_head=False).name == "native", arch

@@ -34,7 +34,7 @@ def test_parse_keep():
             H.parse_keep(bad, 10)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_prune_matches_manual_layer_run_and_generates(arch, byte_tok):
     model, tok = tiny_random_model(arch, seed=1, tokenizer=byte_tok, num_hidden_layers=6)
     keep = [0, 2, 5]
@@ -83,6 +83,12 @@ def test_tiny_random_model_deterministic_and_vocab(byte_tok):
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ValueError):
         tiny_random_model("gpt2", tokenizer=byte_tok)
+    # Qwen2's q/k/v biases are random (HF's are zeros, which no test could tell from dropped ones), seeded too
+    q1, _ = tiny_random_model("qwen2", seed=3, tokenizer=byte_tok)
+    q2, _ = tiny_random_model("qwen2", seed=3, tokenizer=byte_tok)
+    biases = {k: v for k, v in q1.state_dict().items() if k.endswith(".bias")}
+    assert len(biases) == 3 * q1.config.num_hidden_layers and H.tiny_arch("tiny-random:qwen2") == "qwen2"
+    assert all(v.abs().min() > 0 and torch.equal(v, q2.state_dict()[k]) for k, v in biases.items())
 
 
 def test_model_spec_parsing(tmp_path):

@@ -390,3 +390,32 @@ def test_compiled_steps_skip_model_guards_but_never_share_graphs(monkeypatch):
         entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(step._torchdynamo_orig_callable.__code__)
         assert entries and all("source=L['self']" not in str(e.guard_manager) for e in entries)
     assert not torch._dynamo.eval_frame._debug_get_cache_entry_list(Transformer.cached_step.__code__)
+
+
+def test_qwen2_biases_in_compiled_int8w_steps_and_the_fused_kernel(cache_dir, monkeypatch):
+    """Qwen2's q/k/v biases inside compiled int8w steps: inductor's loop and, where the half-rows kernel builds, its
+    fused q/k/v product (`FusedRows`) add them, so the drafts equal an fp32 engine holding the same int8 rows."""
+    from test_engine import held_state, qwen2_with_biases
+
+    from drafter_lib.engine import fp16_kernel
+    from drafter_lib.engine import int8_head_logits as head_paths
+    from drafter_lib.engine import int8w_storage as int8w_rows
+
+    _compiler_or_skip(monkeypatch)
+    monkeypatch.setattr(kernels, "time_step", lambda *a, **kw: {"eager": 2.0, "compiled": 1.0})
+    monkeypatch.setattr(head_paths, "_time_head", lambda head, approxes, **kw: {p: 1.0 if p == "int8" else 9.0
+                                                                               for p in approxes})
+    monkeypatch.setattr(int8w_rows, "time_rows", lambda mods: {"int8": 1.0, "float16": 9.0})
+    monkeypatch.setattr(int8w_rows, "_measure_kernel_step", lambda model: dict(path="kernel"))
+    monkeypatch.setenv("SPECDRAFT_HALF_ROWS", "auto")  # conftest leaves the half-rows kernel out
+    kernel = fp16_kernel.kernel_unavailable() is None
+    hf = qwen2_with_biases()
+    ref = DraftEngine.from_state_dict(hf.config.to_dict(), held_state(hf.state_dict(), "int8w"), dtype="float32")
+    eng = make_engine(hf, dtype="int8w")
+    assert eng.step_plan["path"] == "compiled"
+    fused = [layer.self_attn.qkv for layer in eng.model.model.layers]
+    assert all(isinstance(f, fp16_kernel.FusedRows) if kernel else f is None for f in fused)
+    prompts = [rand_tokens(n, 130 + n) for n in (3, 17, 40)]
+    want = [ref.draft(p, 12) for p in prompts]
+    assert [eng.draft(p, 12) for p in prompts] == want
+    assert eng.draft_batch(prompts, 12) == want

@@ -14,14 +14,12 @@ def tiny_hf(arch: str, **over):
     common = dict(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
     common.update(over)
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(**common)
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.Qwen3Config(**common)
-        model = transformers.Qwen3ForCausalLM(cfg)
+    config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                             "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]
+    model = model_cls(config_cls(**common))
     model.eval()
-    # random norms so that a missing/misplaced norm shows up in the logits
+    # random norms and biases (HF's are ones and zeros) so that a missing/misplaced one shows up in the logits
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "norm" in n:
@@ -40,6 +38,9 @@ CASES = {
     "llama_linear_rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "qwen3_untied": ("qwen3", dict(head_dim=12, tie_word_embeddings=False, rope_theta=1000000.0)),
     "qwen3_tied": ("qwen3", dict(head_dim=16, tie_word_embeddings=True)),
+    "qwen2_untied": ("qwen2", dict(tie_word_embeddings=False, rope_theta=1000000.0)),
+    "qwen2_tied_linear_rope": ("qwen2", dict(tie_word_embeddings=True, rope_scaling={"rope_type": "linear",
+                                                                                     "factor": 2.0})),
 }
 
 
@@ -146,6 +147,25 @@ def test_config_errors_and_transformers5_style():
     assert c.rope_theta == 5.0 and c.rope_scaling["factor"] == 2.0
     with pytest.raises(ValueError, match="rope"):
         ModelConfig.from_hf({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+
+
+def test_attention_biases_follow_the_architecture():
+    """Llama's attention_bias covers q/k/v and o_proj; Qwen2 has no such key: q/k/v always biased, o_proj never, and
+    a missing tie_word_embeddings means untied, as in transformers' Qwen2Config. Sliding windows are refused."""
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    c = ModelConfig.from_hf({**base, "model_type": "llama", "attention_bias": True})
+    assert c.qkv_bias and c.o_proj_bias
+    c = ModelConfig.from_hf({**base, "model_type": "qwen3"})
+    assert not c.qkv_bias and not c.o_proj_bias
+    qwen2 = {**base, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 32768,
+             "max_window_layers": 21}
+    c = ModelConfig.from_hf(qwen2)
+    assert c.qkv_bias and not c.o_proj_bias and not c.tie_word_embeddings
+    assert c.tie_word_embeddings == transformers.Qwen2Config().tie_word_embeddings
+    attn = Transformer(c).model.layers[0].self_attn
+    assert all(getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj")) and attn.o_proj.bias is None
+    with pytest.raises(ValueError, match="sliding"):
+        ModelConfig.from_hf({**qwen2, "use_sliding_window": True})
 
 
 def test_kv_cache_grow_and_capacity_error():

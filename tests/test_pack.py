@@ -155,3 +155,31 @@ def test_compare_runs_reports_curves_and_acceptance(tmp_path):
         compare_runs({"none": tmp_path / "missing"}, tmp_path / "out2")
     with pytest.raises(SystemExit):
         main(["no-label-here", "--out", str(tmp_path / "out3")])
+
+
+def test_qwen2_biases_pack_as_exact_float_tensors(tmp_path, tiny_random):
+    """Biases are never quantized (nor fake-quantized in QAT): stored as fp32 under their HF names and restored bit for
+    bit, so the restored Qwen2 gives the fake-quant model's logits exactly."""
+    from safetensors import safe_open
+
+    model, _ = tiny_random("qwen2", seed=2, hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           tie_word_embeddings=False)
+    biases = {k: v for k, v in model.state_dict().items() if k.endswith(".bias")}
+    assert len(biases) == 6 and all(v.abs().min() > 0 for v in biases.values())  # q/k/v of 2 layers, random
+    pm = read_model_dir(pack_checkpoint(model, model.config, tmp_path / "fp32", QC))
+    with safe_open(str(tmp_path / "fp32" / "weights.safetensors"), "pt") as f:
+        for k, v in biases.items():
+            assert pm.quantization["tensors"][k]["quant"] is None and f.get_tensor(k).dtype == torch.float32
+            assert torch.equal(f.get_tensor(k), v) and torch.equal(pm.state_dict[k], v)
+    restored = transformers.Qwen2ForCausalLM(model.config).eval()
+    restored.load_state_dict(pm.state_dict)
+    assert not any(k.endswith(".bias") for k in apply_fake_quant(model, QC))
+    try:
+        ids = torch.randint(0, 259, (2, 12), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, restored(ids).logits)
+    finally:
+        remove_fake_quant(model)
+    half = model.to(torch.bfloat16)  # a bf16 checkpoint's biases: widened to fp32, exactly
+    pm16 = read_model_dir(pack_checkpoint(half, half.config, tmp_path / "bf16", QC))
+    assert all(torch.equal(pm16.state_dict[k], half.state_dict()[k].float()) for k in biases)

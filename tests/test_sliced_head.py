@@ -56,7 +56,7 @@ def test_a_slice_size_is_held_only_where_exact_and_faster(monkeypatch):
     assert choose_slice(w, batch_rows=17)["path"] == "whole"
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_generation_with_a_sliced_head_is_unchanged(arch, monkeypatch):
     """The tied head held in slices (forced): logits, greedy rows and soft labels equal the unsliced model's, and
     the slices read the embedding itself (no copy)."""

@@ -51,7 +51,7 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kernel):
     assert torch.equal(lin(other)[0], alone[0])
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_verify_pass_logits_equal_one_token_steps_bit_for_bit(tiny_random, arch):
     target = _runtime(tiny_random, arch)
     gen = torch.Generator().manual_seed(2)
@@ -78,7 +78,7 @@ def _adversaries(plain: list[int], prompt_len: int, vocab: int):
     }
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_speculative_equals_plain_for_every_draft_length_and_drafter(tiny_random, arch):
     target = _runtime(tiny_random, arch)
     prompt = list(range(40, 100))
@@ -90,6 +90,29 @@ def test_speculative_equals_plain_for_every_draft_length_and_drafter(tiny_random
             assert out.tokens == plain, (name, k)
             if name == "always right":
                 assert out.mean_acceptance_length > min(k, 79) * 0.9
+
+
+@pytest.mark.skipif(not USABLE, reason="no W8A8 kernel runs here")
+@torch.no_grad()
+def test_w8a8_keeps_qwen2_biases_in_the_fused_qkv_product(tiny_random):
+    """The fused q/k/v product carries the three biases in fp32 (o_proj has none), and the W8A8 model's logits stay
+    far closer to the float model's than the float model's are to itself without the biases."""
+    hf, _ = tiny_random("qwen2", seed=1, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=128)
+    model, no_bias = Transformer.from_hf_model(hf), Transformer.from_hf_model(hf)
+    for name, p in no_bias.named_parameters():
+        if name.endswith(".bias"):
+            p.zero_()
+    ids = torch.randint(0, 259, (1, 40), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(40)[None]
+    want = model(ids, pos)
+    gap = (want - no_bias(ids, pos)).abs().max()
+    biases = [torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]) for a in
+              (layer.self_attn for layer in model.model.layers)]
+    w8a8.quantize_linears(model, USABLE[0])
+    for layer, b in zip(model.model.layers, biases):
+        assert torch.equal(layer.self_attn.qkv.fused.bias, b) and layer.self_attn.o_proj.bias is None
+    assert (model(ids, pos) - want).abs().max() < 0.2 * gap
 
 
 def test_runtime_holds_its_tokenizer_and_stop_tokens(tiny_random):
@@ -108,7 +131,7 @@ def test_row_exact_attention_refuses_a_batch(tiny_random):
         target.model.hidden(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).repeat(2, 1), cache)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_smoothing_keeps_the_float_model_and_evens_out_its_channels(tiny_random, arch):
     from drafter_lib.decoding.smoothing import activation_maxima, smooth
 

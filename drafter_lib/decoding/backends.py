@@ -26,6 +26,7 @@ import torch
 
 from drafter_lib.common.chat import cut_at_stop
 from drafter_lib.decoding.generate import Finished, topk_logprobs
+from drafter_lib.model.transformer import SUPPORTED_ARCHS
 
 __all__ = ["HFBackend", "NativeBackend", "TopKRecorder", "Scored", "score_positions", "make_backend", "NATIVE_DTYPES",
            "BACKEND_NAMES"]
@@ -246,13 +247,14 @@ def _model_folder(model) -> str:
 
 def make_backend(name: str, model, tokenizer, dtype: str = "float32", schedule: str = "continuous",
                  vllm_options: dict | None = None, **native_options):
-    """"native", "hf", "vllm" or "auto" (native on CPU for Llama/Qwen3, else hf; never vllm). dtype/schedule and
-    `native_options` (`NativeBackend`'s prefill_group, sliced_head, row_blocks): native only. vllm_options
-    (`VLLMBackend`'s tensor_parallel_size, chunk_rows, ...): vllm only; vLLM loads the weights itself from the
-    folder `model` was loaded from, in `model`'s dtype, so the weights the teacher meta hashes are the ones used."""
+    """"native", "hf", "vllm" or "auto" (native on CPU for the hand-written decoder's SUPPORTED_ARCHS, else hf; never
+    vllm). dtype/schedule and `native_options` (`NativeBackend`'s prefill_group, sliced_head, row_blocks): native
+    only. vllm_options (`VLLMBackend`'s tensor_parallel_size, chunk_rows, ...): vllm only; vLLM loads the weights
+    itself from the folder `model` was loaded from, in `model`'s dtype, so the weights the teacher meta hashes are
+    the ones used."""
     if name == "auto":
         on_cpu = next(model.parameters()).device.type == "cpu"
-        name = "native" if on_cpu and model.config.model_type in ("llama", "qwen3") else "hf"
+        name = "native" if on_cpu and model.config.model_type in SUPPORTED_ARCHS else "hf"
     if vllm_options and name != "vllm":
         raise ValueError("vllm_options are options of the vllm backend")
     if name == "native":

@@ -88,7 +88,7 @@ def smooth(model: Transformer, token_rows: Sequence[Sequence[int]], alpha: float
                                 (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj], "mlp")):
             s = _factors(act[f"{i}.{key}"], [lin.weight for lin in lins], alpha)
             norm.weight.div_(s)
-            for lin in lins:
+            for lin in lins:  # (x / s) @ (W * s)^T = x @ W^T: a bias (Qwen2's q/k/v) adds after it, unchanged
                 lin.weight.mul_(s)
         s = _factors(act[f"{i}.down"], [mlp.down_proj.weight], alpha)
         mlp.up_proj.weight.div_(s[:, None])  # up's output channel j feeds down's column j (through silu(gate) * up)

@@ -4,20 +4,22 @@ llama-cpp-python) loads as it is.
     specdraft-export --format gguf OUT.gguf [--model-dir model] [--gguf-type f32|f16|q8_0]
                      [--teacher SPEC | --tokenizer-gguf FILE]
 
-- Architecture: `llama` or `qwen3`, as the pack's config says; hyperparameters (block_count, embedding_length, heads,
-  head size, rope base and scaling, rms eps, context length) from the pack's config.
+- Architecture: `llama`, `qwen2` or `qwen3`, as the pack's config says; hyperparameters (block_count,
+  embedding_length, heads, head size, rope base and scaling, rms eps, context length) from the pack's config.
 - Tokenizer: every `tokenizer.*` key (tokenizer.ggml.tokens / merges / token_type / special ids, add_bos_token,
   pre-tokenizer, tokenizer.chat_template), and the license and languages, are copied from a GGUF of the teacher:
   `--tokenizer-gguf FILE`, else the default teacher's packaged GGUF when the pack's teacher (given, recorded, or
   unknown) is the default one. A teacher that is a transformers checkpoint has no GGUF to copy from: see
   `NoGGUFTokenizer`.
 - Weights: exactly what the engine restores from the pack (fp32), written as F32 (default), F16 or Q8_0 (2-D
-  tensors; norms stay F32). A reduced draft-vocabulary head becomes the full-vocabulary head of
+  tensors; norms and biases stay F32). A reduced draft-vocabulary head becomes the full-vocabulary head of
   `hf_export.full_vocab_state`: the other rows are the mean of the draft rows, so greedy decoding never picks them.
 - RoPE layout: llama.cpp's `llama` graph rotates adjacent pairs (x0, x1), (x2, x3), ..., while the HF checkpoint's
   q_proj / k_proj rows are laid out for rotate-half pairs (x_i, x_{i+d/2}); so for `llama` the rows of each head
-  of q_proj / k_proj (and their biases) are interleaved (`_halves_to_pairs`). llama.cpp's `qwen3` graph rotates
-  halves (NeoX style) like HF, so qwen3 weights go unchanged. tests/test_export_gguf.py checks both ways.
+  of q_proj / k_proj (and their biases) are interleaved (`_halves_to_pairs`). llama.cpp's `qwen2` and `qwen3`
+  graphs rotate halves (NeoX style) like HF, so their weights go unchanged. tests/test_export_gguf.py checks both ways.
+- Biases: attention biases as `blk.N.attn_q.bias` etc. (F32). llama.cpp's `llama` graph adds any of the four, its
+  `qwen2` graph those of q/k/v (which a qwen2 pack always has, and never one of o_proj), its `qwen3` graph none.
 - RoPE scaling: linear as metadata (rope.scaling.type / factor); llama3 (llama only) as the tensor rope_freqs, each
   frequency's divisor (the unscaled over the scaled frequency, from the engine's own `rope_inv_freq`).
 """
@@ -35,7 +37,7 @@ from drafter_lib.packed.model_dir import read_model_dir
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
 # does llama.cpp's graph for this architecture rotate adjacent pairs (so HF's q/k rows must be interleaved)?
-ARCH_PAIRED_ROPE = {"llama": True, "qwen3": False}
+ARCH_PAIRED_ROPE = {"llama": True, "qwen2": False, "qwen3": False}
 
 
 class NoGGUFTokenizer(ValueError):
@@ -62,8 +64,8 @@ def gguf_tensors(config: dict, state: dict, paired_rope: bool | None = None) -> 
         raise ValueError(f"GGUF export supports {sorted(ARCH_PAIRED_ROPE)}, not {cfg.arch!r}")
     if cfg.mlp_bias:
         raise ValueError("GGUF export: MLP biases (mlp_bias) are not supported")
-    if cfg.attention_bias and cfg.arch != "llama":
-        raise ValueError(f"GGUF export: attention biases are supported for llama only, not {cfg.arch}")
+    if cfg.arch == "qwen3" and (cfg.qkv_bias or cfg.o_proj_bias):
+        raise ValueError("GGUF export: llama.cpp's qwen3 graph has no attention biases")
     paired = ARCH_PAIRED_ROPE[cfg.arch] if paired_rope is None else paired_rope
     T, name = gguf.MODEL_TENSOR, lambda t, **kw: gguf.TENSOR_NAMES[t].format(**kw)
     places = {"model.embed_tokens.weight": name(T.TOKEN_EMBD) + ".weight",

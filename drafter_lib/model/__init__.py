@@ -1,2 +1,2 @@
-"""The hand-written decoder (Llama family and Qwen3), its KV cache, loading HF models, tiny random models, draft
+"""The hand-written decoder (Llama family, Qwen2 and Qwen3), its KV cache, loading HF models, tiny random models, draft
 vocabularies."""

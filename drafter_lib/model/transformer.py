@@ -1,4 +1,4 @@
-"""Hand-written decoder for the Llama family (SmolLM2) and Qwen3.
+"""Hand-written decoder for the Llama family (SmolLM2), Qwen2 (Qwen2.5) and Qwen3.
 
 One small implementation serves the engine, generation and evaluation. Parameter names equal the
 Hugging Face names, so `Transformer(cfg).load_state_dict(hf_model.state_dict())` just works.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from drafter_lib.model.kv_cache import KVCache
 
-SUPPORTED_ARCHS = ("llama", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 COMPILED_MAX_T = 32  # cached steps of up to this many tokens a row run `compiled_step` when set (longer: causal)
 ROW_BUCKET = 64  # row-exact attention reads keys in blocks of this many slots (a cache's capacity is a multiple)
@@ -43,7 +43,8 @@ class ModelConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True
-    attention_bias: bool = False
+    qkv_bias: bool = False  # q_proj, k_proj and v_proj have biases
+    o_proj_bias: bool = False
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -77,6 +78,9 @@ class ModelConfig:
             raise ValueError("partial_rotary_factor != 1 is not supported")
         if d.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported")
+        # Llama's `attention_bias` covers all four projections; Qwen2 has no such key: q/k/v always biased, o never
+        attention_bias = bool(d.get("attention_bias", False))
+        qkv_bias, o_proj_bias = (True, False) if mt == "qwen2" else (attention_bias, attention_bias)
         return cls(
             arch=mt,
             vocab_size=d["vocab_size"],
@@ -90,8 +94,10 @@ class ModelConfig:
             rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
             rope_scaling=dict(rope_scaling) if rope_scaling else None,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
+            # a missing key: transformers' Qwen2Config and Qwen3Config default to untied
             tie_word_embeddings=bool(d.get("tie_word_embeddings", mt == "llama")),
-            attention_bias=bool(d.get("attention_bias", False)),
+            qkv_bias=qkv_bias,
+            o_proj_bias=o_proj_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
@@ -204,11 +210,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        h, b = cfg.hidden_size, cfg.attention_bias
+        h, b = cfg.hidden_size, cfg.qkv_bias
         self.q_proj = Linear(h, self.nh * self.hd, bias=b)
         self.k_proj = Linear(h, self.nkv * self.hd, bias=b)
         self.v_proj = Linear(h, self.nkv * self.hd, bias=b)
-        self.o_proj = Linear(self.nh * self.hd, h, bias=b)
+        self.o_proj = Linear(self.nh * self.hd, h, bias=cfg.o_proj_bias)
         if cfg.arch == "qwen3":  # Qwen3: RMSNorm over each head's q and k before RoPE
             self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)

@@ -16,7 +16,7 @@ from drafter_lib.train.trainer import TrainConfig
 
 @dataclass
 class StudySection:
-    teacher: str = "smollm2-135m-instruct"  # hf_models spec, local HF dir, or "tiny-random[:llama|:qwen3]"
+    teacher: str = "smollm2-135m-instruct"  # hf_models spec, local HF dir, or "tiny-random[:llama|:qwen2|:qwen3]"
     drafter_base: str | None = None  # None: the drafter starts as a copy of the teacher
     keep_layers: str | list[int] | None = "even:4"  # layers of the base the drafter keeps ("first:K", [0, 3], None)
     device: str = "cpu"

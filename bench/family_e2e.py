@@ -22,6 +22,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# Before torch: idle OpenMP threads spin a bounded while, then sleep (openmp_wait.py). llama.cpp's threads and torch's
+# take turns on the same cores here; OpenMP's default spin after each torch op (the loop's argmax included) would hold
+# a core llama.cpp's next pass needs.
+from drafter_lib.common.openmp_wait import bounded_spin  # noqa: E402
+
+WAIT = bounded_spin()
 
 import torch  # noqa: E402
 
@@ -60,7 +66,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  torch {torch.__version__}  "
-          f"threads {torch.get_num_threads()}\ntarget: {args.target}  peer: {args.peer}", flush=True)
+          f"threads {torch.get_num_threads()}  OpenMP wait: {WAIT}\ntarget: {args.target}  peer: {args.peer}",
+          flush=True)
 
     from drafter_lib.decoding.llama_cpp_target import LlamaCppDrafter, LlamaCppTarget
     from drafter_lib.decoding.runtime import load_target_runtime

@@ -1,0 +1,91 @@
+"""One decoder layer's linear products for a target's shapes at 1 / 2 / 5 / 9 / 17 rows: this runtime's W8A8 (fbgemm,
+int8 rows x int8 weights, int32 sums) beside torch's int4-weight kernel (bf16 rows, groups of 32 / 128), with each
+kernel's row exactness (a row's output alone equals it inside a 9-row pass, bit for bit). No weights are loaded: the
+shapes come from the model's config.json (the converted copy in the cache), the weights are random.
+
+    python bench/layer_products.py [--target qwen2.5-coder-1.5b-instruct] [--repeats 15]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from drafter_lib.common.files import read_json  # noqa: E402
+from drafter_lib.common.measured_choice import cpu_model  # noqa: E402
+from drafter_lib.decoding.w8a8 import W8A8Linear  # noqa: E402
+from drafter_lib.model import hf_models  # noqa: E402
+from drafter_lib.model.transformer import ModelConfig  # noqa: E402
+
+ROWS = (1, 2, 5, 9, 17)
+
+
+def config_dir(spec: str) -> Path:
+    kind, name, rev = hf_models.parse_model_spec(spec)
+    if kind == "default":
+        return hf_models.convert_default_teacher()
+    if kind == "parted":
+        return hf_models.convert_parted(name)
+    return Path(name) if kind == "local" else hf_models.hub_snapshot(name, rev)
+
+
+def median_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[repeats // 2] * 1e3
+
+
+def int4_product(w: torch.Tensor, group: int):
+    """torch's int4-weight CPU product for w (symmetric, per group of `group` inputs), as a function of bf16 rows."""
+    n, k = w.shape
+    g = w.reshape(n, k // group, group)
+    scale = g.abs().amax(-1) / 7
+    q = (g / scale[..., None]).round().clamp(-8, 7) + 8  # stored unsigned: w = q * scale + zero, zero = -8 * scale
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.reshape(n, k).to(torch.int32), 1)
+    scales_zeros = torch.stack([scale.t(), -8 * scale.t()], -1).contiguous().to(torch.bfloat16)
+    return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, group, scales_zeros)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args(argv)
+    c = ModelConfig.from_hf(read_json(config_dir(args.target) / "config.json"))
+    h, i = c.hidden_size, c.intermediate_size
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # fused q/k/v, o_proj, fused gate/up, down_proj
+    print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  torch {torch.__version__}  "
+          f"threads {torch.get_num_threads()}\n{args.target}: one layer's products {shapes} ({c.num_hidden_layers} "
+          "layers)")
+    gen = torch.Generator().manual_seed(0)
+    kernels = {"W8A8 fbgemm (this runtime)": lambda w: W8A8Linear(w, None, "fbgemm"),
+               "int4 weights g32, bf16 rows": lambda w: int4_product(w, 32),
+               "int4 weights g128, bf16 rows": lambda w: int4_product(w, 128)}
+    for name, make in kernels.items():
+        ms, exact = dict.fromkeys(ROWS, 0.0), True
+        for n, k in shapes:
+            f = make(torch.randn(n, k, generator=gen) * 0.02)
+            for m in ROWS:
+                x = torch.randn(m, k, generator=gen)
+                ms[m] += median_ms(lambda f=f, x=x: f(x), args.repeats)
+            x9 = torch.randn(9, k, generator=gen)
+            y9 = f(x9)
+            exact &= all(torch.equal(f(x9[r:r + 1].clone())[0], y9[r]) for r in range(9))
+        print(f"{name:30} ms a layer at " + " / ".join(map(str, ROWS)) + " rows: "
+              + " / ".join(f"{ms[m]:.2f}" for m in ROWS) + f"; {c.num_hidden_layers} layers, one row: "
+              f"{c.num_hidden_layers * ms[1]:.0f} ms; row-exact: {exact}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,12 +1,13 @@
 """Teacher generation throughput: transformers generate vs the native decoder, side by side, with token agreement.
 
     OMP_WAIT_POLICY=PASSIVE python bench/teacher.py [--n 64] [--max-new-tokens 256] [--batch-sizes 16 32]
-        [--systems hf native native-static native-soft] [--repeats 1] [--data-dir ../shared/data]
+        [--systems hf native native-static native-soft] [--repeats 1] [--data-dir ../shared/data] [--teacher SPEC]
 
-Uses the default teacher (SmolLM2-135M-Instruct, offline) through `teacher.generate_targets`, so every system
-pays what the teacher stage pays (chat template, JSONL, soft-label parts). Prompts: a seeded sample spread over
-the prompt files of --data-dir (real lengths: continuations stop at EOS at very different times), else built-in
-prompts. Systems (run interleaved, batch size by batch size, so machine load hits all of them alike):
+Uses the default teacher (SmolLM2-135M-Instruct, offline; --teacher another spec) through
+`teacher.generate_targets`, so every system pays what the teacher stage pays (chat template, JSONL, soft-label
+parts). Prompts: a seeded sample spread over the prompt files of --data-dir (real lengths: continuations stop at
+EOS at very different times), else built-in prompts. Systems (run interleaved, batch size by batch size, so machine
+load hits all of them alike):
   hf             transformers generate, left-padded static batches (the reference: fp32 greedy)
   native         hand-written decoder, continuous batching (finished rows refilled at once), fp32 - the default
   native-static  the same decoder, static batches (a batch ends when its longest row does)
@@ -95,14 +96,15 @@ def main():
     ap.add_argument("--systems", nargs="+", default=["hf", "native", "native-static", "native-soft"],
                     choices=sorted(SYSTEMS))
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--teacher", default=hf_models.DEFAULT_TEACHER, help="the teacher's spec (default: %(default)s)")
     ap.add_argument("--data-dir", default=str(SHARED_DATA_DEFAULT))
     args = ap.parse_args()
-    model, tok = hf_models.load_default_teacher()
+    model, tok = hf_models.load_teacher(args.teacher, dtype=torch.float32)
     recs, src = sample_prompts(args.n, args.data_dir)
     plen = sorted(len(teacher.encode_chat(tok, teacher.prompt_messages(r))) for r in recs)
     print(f"torch {torch.__version__}  cpu capability {torch.backends.cpu.get_cpu_capability()}  "
           f"avx512_bf16 {torch.cpu._is_avx512_bf16_supported()}  amx {torch.cpu._is_amx_tile_supported()}  "
-          f"threads {torch.get_num_threads()}")
+          f"threads {torch.get_num_threads()}  teacher {args.teacher}")
     if any(SYSTEMS[s].get("backend") == "native" for s in args.systems):
         from drafter_lib.decoding.sliced_head import choose_slice
 

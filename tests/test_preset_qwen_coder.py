@@ -44,8 +44,8 @@ def test_the_preset_builds_validates_and_round_trips(cfg):
     # moderate lengths; training rows hold the longest prompt and answer, so nothing is cut
     assert (d.max_prompt_tokens, t.max_new_tokens, tr.max_seq_len) == (256, 128, 384)
     assert config_checks.waste_notes(cfg) == []
-    assert d.total_prompts * t.max_new_tokens <= 64_000  # the teacher's budget: ~60k answer tokens at most
-    assert tr.total_steps <= 200 and tr.loss == "kl_topk"
+    assert d.total_prompts * t.max_new_tokens <= 12_500  # the teacher's budget at its measured 3.5 tokens/s
+    assert tr.total_steps <= 60 and tr.loss == "kl_topk"
     assert d.humaneval is True and e.limit <= 32 and e.max_new_tokens <= 64 and e.e2e_prompts <= 2
     assert all((layout.REPO_ROOT / f).is_file() for f in e.heldout_files)
     # the named parameters change what they name and nothing else
@@ -91,7 +91,7 @@ def test_the_prompt_set_follows_the_weights(cfg, tmp_path):
 
 def test_disk_estimate_for_the_qwen_models(cfg):
     est = de.estimate(cfg, SIZES[cfg.study.teacher]["vocab_size"])
-    assert (est.prompts, est.prompt_tokens, est.answer_tokens) == (480, 256, 128)
+    assert (est.prompts, est.prompt_tokens, est.answer_tokens) == (96, 256, 128)
     assert de.id_bytes(151936) == 8 and est.total < 100e6  # tens of MB: the answers are short, the rows few
     base = SIZES[cfg.study.drafter_base]
     layers = len(parse_keep(cfg.study.keep_layers, base["num_hidden_layers"]))
@@ -115,6 +115,6 @@ def test_the_cli_accepts_the_preset(monkeypatch, capsys):
     out = capsys.readouterr()
     printed = json.loads(out.out[:out.out.rindex("}") + 1])
     assert printed == res["config"].to_dict() and printed["study"]["teacher"] == "qwen2.5-coder-1.5b-instruct"
-    assert "480 prompts [data.total_prompts] x (256 prompt + 128 answer tokens)" in out.err
+    assert "96 prompts [data.total_prompts] x (256 prompt + 128 answer tokens)" in out.err
     assert "[study] disk: training keeps at most" in out.err and "M drafter parameters" in out.err
     assert not layout.RunLayout.named("never-created-qwen-coder").root.exists()

@@ -136,18 +136,28 @@ def convert_default_teacher(cache_dir=None, force: bool = False) -> Path:
     if (out / _CONVERTED_MARK).is_file() and not force:
         return out
     gguf = default_teacher_gguf()
+
+    def write(tmp: Path) -> None:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        _strip_gguf_quantizer(model)
+        model.config._name_or_path = DEFAULT_TEACHER
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+
+    return _convert_into_cache(out, write, info, force)
+
+
+def _convert_into_cache(out: Path, write, mark: dict, force: bool = False) -> Path:
+    """`write(tmp)` into a temp dir beside `out`, then the conversion mark, then a rename to `out`: safe against
+    concurrent callers (each writes its own temp dir; the first finished rename wins, the copies are equivalent)."""
     t0 = time.time()
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    _strip_gguf_quantizer(model)
-    model.config._name_or_path = DEFAULT_TEACHER
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared by the user's processes
     try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        mark = {**info, "convert_seconds": round(time.time() - t0, 1)}
+        write(tmp)
+        mark = {**mark, "convert_seconds": round(time.time() - t0, 1)}
         (tmp / _CONVERTED_MARK).write_text(json.dumps(mark, indent=1))
         if force and out.exists():
             shutil.rmtree(out)
@@ -179,22 +189,7 @@ def convert_parted(name: str, cache_dir=None) -> Path:
     if (out / _CONVERTED_MARK).is_file():
         return out
     gguf = parted_gguf.assemble(m, root)
-    t0 = time.time()
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=root))
-    os.chmod(tmp, 0o755)
-    try:
-        convert_gguf(gguf, tmp)
-        (tmp / _CONVERTED_MARK).write_text(json.dumps({**m.record(), "convert_seconds": round(time.time() - t0, 1)},
-                                                      indent=1))
-        try:
-            os.replace(tmp, out)
-        except OSError:  # another process finished first; its copy is equivalent
-            pass
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    return _convert_into_cache(out, lambda tmp: convert_gguf(gguf, tmp), m.record())
 
 
 def parted_tokenizer(name: str, cache_dir=None):

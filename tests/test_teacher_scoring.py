@@ -248,3 +248,24 @@ def test_scored_rows_train(tmp_path):
         res = train.run_training(cfg)
         tr = [r for r in res["history"] if r["kind"] == "train"]
         assert len(tr) == 3 and all(r["loss"] > 0 and torch.isfinite(torch.tensor(r["loss"])) for r in tr), loss
+
+
+def test_ce_on_rows_scored_without_hard_labels_is_refused(tmp_path):
+    """Scored without --hard-labels, a row's continuation is the drafter's own: loss 'ce' would teach those tokens."""
+    from test_train import QUANT
+
+    from drafter_lib.train import trainer as train
+    from drafter_lib.train.examples import scored_without_hard_labels
+
+    model, tok = tiny_model(), tiny_tokenizer()
+    drafted, soft_only, hard = tmp_path / "drafted.jsonl", tmp_path / "soft.jsonl", tmp_path / "hard.jsonl"
+    draft_continuations(records(6), drafter_model(), tok, drafted, max_new_tokens=6, progress=False)
+    score_targets(drafted, model, tok, soft_only, soft_topk=4, progress=False)
+    score_targets(drafted, model, tok, hard, soft_topk=4, hard_labels=True, progress=False)
+    assert scored_without_hard_labels(soft_only) and not scored_without_hard_labels(hard)
+    assert not scored_without_hard_labels(drafted)  # rows a model wrote itself
+    cfg = train.TrainConfig(train_path=str(soft_only), out_dir=str(tmp_path / "out"), base_model=str(tmp_path),
+                            keep_layers=None, max_seq_len=64, batch_size=4, steps=1, qat_steps=0, quant=QUANT,
+                            progress=False, loss="ce")
+    with pytest.raises(ValueError, match="without --hard-labels"):
+        train.run_training(cfg)

@@ -94,6 +94,19 @@ def soft_dir_of(cfg, targets_path: str) -> str | None:
     return cfg.soft_labels or str(soft_dir_for(targets_path))
 
 
+def scored_without_hard_labels(path: str | os.PathLike) -> bool:
+    """Whether the rows at `path` were scored by the target (teacher/scoring.py) without its greedy token at each
+    position: their continuations are another model's, so a hard-label loss would teach the drafter its own tokens."""
+    from drafter_lib.common.files import read_json
+    from drafter_lib.teacher.row_file import meta_path
+
+    meta = meta_path(path)
+    if not meta.is_file():
+        return False
+    generation = read_json(meta).get("generation") or {}
+    return generation.get("mode") == "score" and not generation.get("hard_labels")
+
+
 def split_val(examples: list[Example], fraction: float) -> tuple[list[Example], list[Example]]:
     """Held-out split by stable id hash (same split on every machine and every run)."""
     from drafter_lib.teacher.shards import shard_of

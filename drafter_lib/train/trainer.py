@@ -219,6 +219,10 @@ class Trainer:
         np.random.seed(cfg.seed)
 
         soft = train_data.soft_dir_of
+        if cfg.loss == "ce" and train_data.scored_without_hard_labels(cfg.train_path):
+            raise ValueError(f"{cfg.train_path}: the target scored these rows without --hard-labels, so their "
+                             "continuations are another model's tokens; loss 'ce' would teach the drafter those: train "
+                             "with a soft-label loss (kl_topk, tv) or score with --hard-labels")
         exs = load_examples(cfg.train_path, cfg.max_seq_len, soft(cfg, cfg.train_path))
         if cfg.val_path:
             self.train_ex, self.val_ex = exs, load_examples(cfg.val_path, cfg.max_seq_len, soft(cfg, cfg.val_path))

@@ -193,7 +193,7 @@ def _qwen_coder(keep_layers: str | list[int] = QWEN_CODER_KEEP_LAYERS,
     #   summarization and RAG prompts cost the 1.5B most, one tree budget): ~25 min.
     # Checkpoints: ~270M parameters at 12 B = ~3.2 GB each, so every 25 steps; the disk check's bound covers two.
     # lr 5e-4: below the default drafter's 1.5e-3 for a wider pretrained base, above full's 2e-5 for a pruned one
-    # that must recover from losing 16 layers (untested, like the rest). More teacher data per hour: issue 51's
+    # that must recover from losing 16 layers (untested, like the rest). More teacher data per hour: the teacher's
     # scoring (the 0.5B writes, the 1.5B scores) is the lever to try first.
     return StudyConfig(
         study=StudySection(teacher=QWEN_CODER_TEACHER, drafter_base=QWEN_CODER_DRAFTER_BASE, keep_layers=keep_layers),

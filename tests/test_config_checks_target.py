@@ -58,6 +58,20 @@ def test_a_drafter_base_with_the_teachers_tokenizer_passes(tmp_path, byte_tok, o
     C.build_config("smoke", {"study.drafter_base": "tiny-random:qwen3"})
 
 
+def test_templates_that_render_the_studys_conversations_alike_are_one_tokenizer(tmp_path, byte_tok, offline_hub):
+    """Qwen2.5-Coder 0.5B's and 1.5B's templates differ only in their tool-calling text: a branch the study never
+    renders, so the drafter base is accepted; a difference the study renders is refused (the case below)."""
+    from drafter_lib.model.tiny_models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.chat_template = "{% if tools %}{{ 'Call a tool: {name, arguments}' }}{% endif %}" + tok.chat_template
+    a = ti.from_tokenizer(tok, "a")
+    tok.chat_template = tok.chat_template.replace("{name, arguments}", "{{name, arguments}}")
+    b = ti.from_tokenizer(tok, "b")
+    assert a.chat_template != b.chat_template and ti.differences(a, b) == []
+    C.build_config("smoke", {"study.drafter_base": _model_dir(tmp_path / "base", tok)})
+
+
 def test_no_drafter_base_reads_no_tokenizer(monkeypatch):
     monkeypatch.setattr(ti, "read_identity", lambda *a, **k: pytest.fail("no drafter base: nothing to compare"))
     C.build_config("smoke")

@@ -1,5 +1,7 @@
 """Whether two models share one tokenizer, read without loading weights: the vocabulary (token -> id), the special
-and stop ids (bos, eos, pad, the chat template's end-of-turn token, the study's stop ids) and the chat template.
+and stop ids (bos, eos, pad, the chat template's end-of-turn token, the study's stop ids) and the chat template (as
+rendered for the conversations the study renders: two templates that differ only in a branch it never takes, such
+as Qwen2.5-Coder 0.5B's and 1.5B's tool-calling text, count as one).
 
 A drafter's tokens are the target's token ids, so the drafter base must tokenize exactly as the target does; the
 study has no mapping between two vocabularies. Sources: a HF tokenizer's files (`tokenizer.json`,
@@ -184,6 +186,31 @@ def differences(a: TokenizerIdentity, b: TokenizerIdentity, names: tuple[str, st
     if (a.end_of_turn, a.end_of_turn_id) != (b.end_of_turn, b.end_of_turn_id):
         out.append(f"end-of-turn token {a.end_of_turn!r} (id {a.end_of_turn_id}) vs {b.end_of_turn!r} "
                    f"(id {b.end_of_turn_id})")
-    if a.chat_template != b.chat_template:
+    if a.chat_template != b.chat_template and _renders(a) != _renders(b):
         out.append(f"chat template sha256 {_sha(a.chat_template)} vs {_sha(b.chat_template)}")
     return out
+
+
+# The conversations the study renders (prompts with and without a system turn, a multi-turn history): two templates
+# that render them alike differ only where the study never goes (e.g. the wording of a tool-calling branch).
+_CONVERSATIONS = (
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": _ANSWER_MARK},
+     {"role": "user", "content": "More"}],
+)
+
+
+def _renders(t: TokenizerIdentity) -> tuple | str | None:
+    """What `t`'s chat template renders for the study's conversations, with and without the generation prompt; the
+    template text itself when it does not render here."""
+    if not t.chat_template:
+        return None
+    ids = {i: tok for tok, i in t.vocab.items()}
+    bos, eos = ids.get(t.bos_id, ""), ids.get(t.eos_id, "")
+    try:
+        template = _compile(t.chat_template)
+        return tuple(template.render(messages=list(m), add_generation_prompt=g, bos_token=bos, eos_token=eos)
+                     for m in _CONVERSATIONS for g in (False, True))
+    except Exception:  # a template this renderer cannot run: compare the text
+        return t.chat_template

@@ -26,15 +26,6 @@ from drafter_lib.model.transformer import ModelConfig  # noqa: E402
 ROWS = (1, 2, 5, 9, 17)
 
 
-def config_dir(spec: str) -> Path:
-    kind, name, rev = hf_models.parse_model_spec(spec)
-    if kind == "default":
-        return hf_models.convert_default_teacher()
-    if kind == "parted":
-        return hf_models.convert_parted(name)
-    return Path(name) if kind == "local" else hf_models.hub_snapshot(name, rev)
-
-
 def median_ms(fn, repeats: int) -> float:
     fn()
     times = []
@@ -61,7 +52,7 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args(argv)
-    c = ModelConfig.from_hf(read_json(config_dir(args.target) / "config.json"))
+    c = ModelConfig.from_hf(read_json(hf_models.model_folder(args.target) / "config.json"))
     h, i = c.hidden_size, c.intermediate_size
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]  # fused q/k/v, o_proj, fused gate/up, down_proj

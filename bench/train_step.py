@@ -1,6 +1,6 @@
 """What one training step of a drafter costs here, for sizing a preset before its run: the drafter base pruned to
-`--keep-layers`, with its head reduced to `--draft-vocab` rows (the most frequent ids of random text stand in for
-the teacher's: the cost does not depend on which rows), forward + backward + AdamW over `--batch-size` rows of
+`--keep-layers`, with its head reduced to `--draft-vocab` rows (the first ids stand in for the teacher's most
+frequent: the cost does not depend on which rows), forward + backward + AdamW over `--batch-size` rows of
 `--seq-len` tokens, fp32 on the CPU as the study trains. Prints seconds a step (median of `--steps` after one warm-up)
 and tokens a second.
 

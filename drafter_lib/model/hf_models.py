@@ -294,17 +294,25 @@ def hub_snapshot(repo_id: str, revision: str, cache_dir=None, local_files_only: 
     return Path(path)
 
 
-def _load(spec, revision=None, dtype=None, device="cpu", cache_dir=None, hub_cache_dir=None,
-          local_files_only=False):
+def model_folder(spec: str, revision: str | None = None, cache_dir=None, hub_cache_dir=None,
+                 local_files_only: bool = False) -> Path:
+    """The local HF folder behind a spec: the default teacher's or a parted model's converted copy (converted on
+    first use), a local folder, or a hub snapshot (downloaded on first use)."""
     kind, name, rev = parse_model_spec(spec, revision)
     if kind == "default":
-        return load_default_teacher(cache_dir, dtype=dtype or torch.float32, device=device)
+        return convert_default_teacher(cache_dir)
     if kind == "parted":
-        return _load_hf_dir(convert_parted(name, cache_dir), dtype=dtype or torch.float32, device=device)
+        return convert_parted(name, cache_dir)
     if kind == "local":
-        return _load_hf_dir(name, dtype=dtype or torch.float32, device=device)
-    path = hub_snapshot(name, rev, cache_dir=hub_cache_dir, local_files_only=local_files_only)
-    return _load_hf_dir(path, dtype=dtype or torch.bfloat16, device=device)
+        return Path(name)
+    return hub_snapshot(name, rev, cache_dir=hub_cache_dir, local_files_only=local_files_only)
+
+
+def _load(spec, revision=None, dtype=None, device="cpu", cache_dir=None, hub_cache_dir=None,
+          local_files_only=False):
+    path = model_folder(spec, revision, cache_dir, hub_cache_dir, local_files_only)
+    hub = parse_model_spec(spec, revision)[0] == "hub"  # hub models (the large ones) load in bf16 by default
+    return _load_hf_dir(path, dtype=dtype or (torch.bfloat16 if hub else torch.float32), device=device)
 
 
 def load_teacher(spec: str = DEFAULT_TEACHER, revision: str | None = None, dtype: torch.dtype | None = None,

@@ -1,10 +1,11 @@
-"""End to end on a real model family: a target in this project's W8A8 runtime against the same target in llama.cpp,
+"""End to end on a real model family: a target in this project's runtime (W8A8 and W4A8) against the same target in
+llama.cpp,
 with no drafter, prompt lookup, the family's small sibling (the peer a llama.cpp user pairs with it, run by llama.cpp
 as a draft model) and packed drafters, all in this repository's speculative loop, rows interleaved prompt by prompt.
 
     python bench/family_e2e.py [--target qwen2.5-coder-1.5b-instruct] [--peer qwen2.5-coder-0.5b-instruct]
                                [--model-dir DIR ...] [--n 6] [--max-new-tokens 128] [--k 4 8] [--prompt-lookup 4]
-                               [--json OUT]
+                               [--numerics w8a8 w4a8] [--json OUT]
 
 Prompts: HumanEval's (held-out code) and MT-bench's first turns (held-out chat), half each. Every runtime row's output
 must equal the runtime's plain greedy output token for token (it is exact by construction: a mismatch fails the
@@ -63,6 +64,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--prompt-lookup", type=int, nargs="*", default=[4], metavar="K")
     ap.add_argument("--no-llama-cpp-drafts", action="store_true", help="llama.cpp target: plain decoding only")
+    ap.add_argument("--numerics", nargs="+", default=["w8a8", "w4a8"], choices=["w8a8", "w4a8"],
+                    help="the runtime rows: how the target's linears multiply")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  torch {torch.__version__}  "
@@ -73,9 +76,11 @@ def main(argv=None) -> dict:
     from drafter_lib.decoding.runtime import load_target_runtime
     from drafter_lib.evaluation.drafters import ngram_drafter
 
-    t0 = time.perf_counter()
-    runtime = load_target_runtime(args.target)
-    print(f"runtime loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+    runtimes = {}
+    for numerics in args.numerics:
+        t0 = time.perf_counter()
+        runtimes[f"runtime {numerics.upper()}"] = runtime = load_target_runtime(args.target, numerics=numerics)
+        print(f"runtime {numerics} loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     tok, stops = runtime.tokenizer, runtime.stop_ids
     llama = LlamaCppTarget(hf_models.model_gguf(args.target), n_ctx=4096)
     drafters = {f"peer {args.peer} (llama.cpp) k={k}": (LlamaCppDrafter(hf_models.model_gguf(args.peer)), k)
@@ -87,7 +92,7 @@ def main(argv=None) -> dict:
         for d in args.model_dir:
             engine = DraftEngine.from_dir(d)
             drafters.update({f"{Path(d).name} k={k}": (engine, k) for k in args.k})
-    targets = {"runtime W8A8": runtime.target, "llama.cpp Q4_K_M": llama}
+    targets = {**{name: rt.target for name, rt in runtimes.items()}, "llama.cpp Q4_K_M": llama}
     rows: dict[str, dict] = {}
 
     def run(label, target, drafter, k, ids, plain):
@@ -127,7 +132,8 @@ def main(argv=None) -> dict:
             d.close()
     llama.close()
     result = {"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(), "target": args.target,
-              "peer": args.peer, "n": args.n, "max_new_tokens": args.max_new_tokens, "rows": rows}
+              "peer": args.peer, "numerics": args.numerics, "n": args.n, "max_new_tokens": args.max_new_tokens,
+              "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

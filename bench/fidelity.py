@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--n", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--targets", nargs="+", default=["native", "w8a8", "llama_cpp"],
-                    choices=["native", "w8a8", "llama_cpp"])
+                    choices=["native", "w8a8", "w4a8", "llama_cpp"])
     ap.add_argument("--gguf-types", nargs="+", default=["Q4_1", "Q8_0"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -1,5 +1,6 @@
 """One decoder layer's linear products for a target's shapes at 1 / 2 / 5 / 9 / 17 rows: this runtime's W8A8 (fbgemm,
-int8 rows x int8 weights, int32 sums) beside torch's int4-weight kernel (bf16 rows, groups of 32 / 128), with each
+int8 rows x int8 weights, int32 sums) and W4A8 (its own kernel: 4-bit weights in groups x int8 rows) beside torch's
+int4-weight kernel (bf16 rows, groups of 32 / 128), with each
 kernel's row exactness (a row's output alone equals it inside a 9-row pass, bit for bit). No weights are loaded: the
 shapes come from the model's config.json (the converted copy in the cache), the weights are random.
 
@@ -19,6 +20,7 @@ import torch  # noqa: E402
 
 from drafter_lib.common.files import read_json  # noqa: E402
 from drafter_lib.common.measured_choice import cpu_model  # noqa: E402
+from drafter_lib.decoding.w4a8 import W4A8Linear  # noqa: E402
 from drafter_lib.decoding.w8a8 import W8A8Linear  # noqa: E402
 from drafter_lib.model import hf_models  # noqa: E402
 from drafter_lib.model.transformer import ModelConfig  # noqa: E402
@@ -60,7 +62,8 @@ def main(argv=None) -> None:
           f"threads {torch.get_num_threads()}\n{args.target}: one layer's products {shapes} ({c.num_hidden_layers} "
           "layers)")
     gen = torch.Generator().manual_seed(0)
-    kernels = {"W8A8 fbgemm (this runtime)": lambda w: W8A8Linear(w, None, "fbgemm"),
+    kernels = {"W8A8 fbgemm": lambda w: W8A8Linear(w, None, "fbgemm"),
+               "W4A8 q4_rows (ours)": lambda w: W4A8Linear(w, None),
                "int4 weights g32, bf16 rows": lambda w: int4_product(w, 32),
                "int4 weights g128, bf16 rows": lambda w: int4_product(w, 128)}
     for name, make in kernels.items():

@@ -1,6 +1,7 @@
 """The target rows the pass-cost and fidelity benchmarks compare: one model (a spec `hf_models.load_teacher` takes) in
-transformers fp32, in the hand-written decoder (fp32, or this project's W8A8 runtime) and as its GGUF in llama.cpp
-(the default teacher's requantized by llama.cpp to each of `gguf_types`; a parted model's GGUF as shipped, Q4_K_M)."""
+transformers fp32, in the hand-written decoder (fp32, or this project's W8A8 / W4A8 runtime) and as its GGUF in
+llama.cpp (the default teacher's requantized by llama.cpp to each of `gguf_types`; a parted model's GGUF as shipped,
+Q4_K_M)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,8 @@ from drafter_lib.evaluation.speedup import make_target
 from drafter_lib.model import hf_models
 
 ROOT = Path(__file__).resolve().parents[1]
-LABELS = {"hf": "transformers fp32", "native": "hand-written fp32", "w8a8": "this runtime, W8A8"}
+LABELS = {"hf": "transformers fp32", "native": "hand-written fp32", "w8a8": "this runtime, W8A8",
+          "w4a8": "this runtime, W4A8"}
 
 
 def targets(spec, names, gguf_types):

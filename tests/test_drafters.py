@@ -59,3 +59,19 @@ def test_standard_baselines_draft_fixed_length_whatever_the_packs_threshold(tmp_
     assert shipped.min_confidence == 0.99 and len(shipped.draft(ctx, 8)) < 8
     for name, drafter in standard_baselines(d, ngram=False, verify=False).items():
         assert len(drafter.draft(ctx, 8)) == 8, name
+
+
+def test_peer_drafter_drafts_the_peer_models_own_greedy_tokens(tmp_path):
+    """A peer named by a model spec (here a local HF folder) drafts exactly its fp32 model's greedy continuation."""
+    import torch
+    from target_helpers import tiny_target_model, write_target_dir
+
+    from drafter_lib.evaluation.drafters import peer_drafter
+
+    folder = write_target_dir(tmp_path / "peer", seed=5)
+    model, _ = tiny_target_model(seed=5)
+    ctx = [5, 9, 3, 7, 11, 2, 40, 41]
+    want = model.generate(torch.tensor([ctx]), max_new_tokens=6, do_sample=False, min_new_tokens=6)[0, len(ctx):]
+    drafter = peer_drafter(str(folder))
+    assert drafter.draft(ctx, 6) == want.tolist()
+    assert drafter.min_confidence == 0.0 and not drafter.copy_policy.enabled

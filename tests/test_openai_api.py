@@ -373,4 +373,4 @@ def test_target_numerics_setting_is_the_runtimes(monkeypatch, generation_dirs):
     monkeypatch.setenv("TARGET_NUMERICS", "int4")
     with pytest.raises(ValidationError) as e:
         Settings.from_env()
-    assert describe_errors(e.value) == ["TARGET_NUMERICS='int4': Input should be 'w8a8' or 'fp32'"]
+    assert describe_errors(e.value) == ["TARGET_NUMERICS='int4': Input should be 'w8a8', 'w4a8' or 'fp32'"]

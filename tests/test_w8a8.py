@@ -1,20 +1,23 @@
-"""The target runtime (decoding/runtime.py, w8a8.py, Transformer.row_exact): each row's logits are independent of the
-rows beside it, so speculative decoding equals this runtime's own plain greedy decoding bit for bit."""
+"""The target runtime (decoding/runtime.py, w8a8.py, w4a8.py, Transformer.row_exact): each row's logits are
+independent of the rows beside it, so speculative decoding equals this runtime's own plain greedy decoding bit for
+bit."""
 import random
 
 import pytest
 import torch
 
-from drafter_lib.decoding import w8a8
+from drafter_lib.decoding import w4a8, w8a8
 from drafter_lib.decoding.runtime import runtime_from_model, runtime_target
 from drafter_lib.decoding.speculative import FnDrafter, greedy_decode, speculative_generate
 from drafter_lib.model.tiny_models import TINY_WEIGHT_SCALE
 from drafter_lib.model.transformer import ROW_BUCKET, Transformer
 
 USABLE = [k for k in w8a8.KERNELS if w8a8.kernel_unavailable(k) is None]
+# the integer numerics that run here (W4A8 needs its kernel built: AVX2 and a C++ compiler)
+INTEGER_NUMERICS = ["w8a8"] + (["w4a8"] if w4a8.kernel_unavailable() is None else [])
 
 
-def _runtime(tiny_random, arch: str, kernel: str | None = None):
+def _runtime(tiny_random, arch: str, kernel: str | None = None, numerics: str = "w8a8"):
     hf, _ = tiny_random(arch, seed=1, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=128)
     model = Transformer.from_hf_model(hf)
@@ -22,7 +25,7 @@ def _runtime(tiny_random, arch: str, kernel: str | None = None):
         for name, p in model.named_parameters():
             if p.ndim == 2 and "embed_tokens" not in name:
                 p.mul_(TINY_WEIGHT_SCALE)
-    return runtime_target(model, "w8a8", kernel)
+    return runtime_target(model, numerics, kernel)
 
 
 @pytest.mark.parametrize("kernel", USABLE)
@@ -51,9 +54,10 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kernel):
     assert torch.equal(lin(other)[0], alone[0])
 
 
+@pytest.mark.parametrize("numerics", INTEGER_NUMERICS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_verify_pass_logits_equal_one_token_steps_bit_for_bit(tiny_random, arch):
-    target = _runtime(tiny_random, arch)
+def test_verify_pass_logits_equal_one_token_steps_bit_for_bit(tiny_random, arch, numerics):
+    target = _runtime(tiny_random, arch, numerics=numerics)
     gen = torch.Generator().manual_seed(2)
     context = torch.randint(0, 259, (ROW_BUCKET - 6,), generator=gen).tolist()  # the pass straddles a key block
     feed = torch.randint(0, 259, (17,), generator=gen).tolist()
@@ -78,9 +82,10 @@ def _adversaries(plain: list[int], prompt_len: int, vocab: int):
     }
 
 
+@pytest.mark.parametrize("numerics", INTEGER_NUMERICS)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
-def test_speculative_equals_plain_for_every_draft_length_and_drafter(tiny_random, arch):
-    target = _runtime(tiny_random, arch)
+def test_speculative_equals_plain_for_every_draft_length_and_drafter(tiny_random, arch, numerics):
+    target = _runtime(tiny_random, arch, numerics=numerics)
     prompt = list(range(40, 100))
     plain = greedy_decode(target, prompt, 80)
     assert len(set(plain)) > 3  # a varied continuation, so wrong drafts get rejected at different places

@@ -19,7 +19,7 @@ from drafter_lib.decoding.smoothing import calibration_rows, smooth
 from drafter_lib.decoding.speculative import NativeTarget
 from drafter_lib.model.transformer import Transformer
 
-NUMERICS = ("w8a8", "fp32")
+NUMERICS = ("w8a8", "w4a8", "fp32")
 
 
 @dataclass
@@ -51,6 +51,12 @@ def runtime_target(model: Transformer, numerics: str = "w8a8", kernel: str | Non
         if calibration:
             smooth(model, calibration)
         quantize_linears(model, kernel)
+    elif numerics == "w4a8":
+        from drafter_lib.decoding import w4a8
+
+        if calibration:
+            smooth(model, calibration)
+        w4a8.quantize_linears(model)
     model.row_exact = True
     return NativeTarget(model, linears="stock")
 

@@ -1,6 +1,6 @@
 """The drafters of the baselines table: untrained pruned base, fp distilled, packed, n-gram lookup alone,
-packed + copy prior; the tree rows drafted by the same engines ("packed tree N": `tree_rows`); and the HF
-checkpoint reading they need."""
+packed + copy prior, and an off-the-shelf peer where one is named; the tree rows drafted by the same engines
+("packed tree N": `tree_rows`); and the HF checkpoint reading they need."""
 from __future__ import annotations
 
 import dataclasses
@@ -85,6 +85,18 @@ def standard_baselines(model_dir: str | Path | None = None, base: tuple[dict, di
     if model_dir is not None and copy_prior:
         out["packed + copy prior"] = engine_from_dir(model_dir, copy_prior=True, **engine_kw)
     return out
+
+
+def peer_drafter(spec: str, **engine_kw):
+    """An off-the-shelf model to beat (a spec `hf_models.load_teacher` takes; it must share the target's tokenizer)
+    as a drafter engine over its fp32 weights, drafting a fixed k like the other rows."""
+    import torch
+
+    from drafter_lib.model import hf_models
+
+    engine_kw.setdefault("min_confidence", 0.0)
+    model, _ = hf_models.load_teacher(spec, dtype=torch.float32)
+    return engine_from_state_dict(hf_config_dict(model.config), model.state_dict(), copy_policy=None, **engine_kw)
 
 
 # Tree rows: node budgets per target step (eval.tree_budgets, specdraft-eval --tree-budgets) and the chain rows whose

@@ -45,6 +45,7 @@ from drafter_lib.evaluation.drafters import (
     check_tree_sources,
     engine_from_dir,
     load_hf_checkpoint,
+    peer_drafter,
     standard_baselines,
     tree_rows,
 )
@@ -499,6 +500,9 @@ def main(argv=None) -> None:
     ap.add_argument("--group-by", default="category", choices=["category", "source"])
     ap.add_argument("--base-checkpoint", default=None, help="HF dir of the untrained pruned drafter (baseline)")
     ap.add_argument("--fp-checkpoint", default=None, help="HF dir of the fp distilled drafter (baseline)")
+    ap.add_argument("--peer", default=None, metavar="SPEC",
+                    help="an off-the-shelf drafter to beat, as a model spec (e.g. qwen2.5-coder-0.5b-instruct): a row "
+                         "'peer: SPEC', compared paired with the pack")
     ap.add_argument("--e2e-prompts", type=int, default=4, help="prompts for the real speculative decoding run")
     ap.add_argument("--e2e-k", type=int, default=None, help="draft tokens per step in the e2e run (default --k)")
     ap.add_argument("--tree-budgets", type=int, nargs="*", default=list(DEFAULT_TREE_BUDGETS), metavar="N",
@@ -535,6 +539,8 @@ def main(argv=None) -> None:
         args.model,
         base=load_hf_checkpoint(args.base_checkpoint) if args.base_checkpoint else None,
         fp=load_hf_checkpoint(args.fp_checkpoint) if args.fp_checkpoint else None)
+    if args.peer:  # first, so the shipped pack stays the primary row the others are paired against
+        drafters = {f"peer: {args.peer}": peer_drafter(args.peer), **drafters}
     metrics = run_evaluation(target, tok, records, drafters, k=args.k, max_new_tokens=args.max_new_tokens,
                              group_by=args.group_by, e2e_prompts=args.e2e_prompts, e2e_k=args.e2e_k,
                              batch_size=args.batch_size, limit=args.limit, references_path=args.references,

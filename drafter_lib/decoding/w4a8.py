@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,11 +114,9 @@ def kernel_unavailable() -> str | None:
 
 @functools.cache
 def _build() -> str | None:
-    try:
-        from torch.utils.cpp_extension import load
+    from drafter_lib.common.cpp_kernels import build_checked
 
-        load("specdraft_q4_rows", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-             is_python_module=False)
+    def check() -> str | None:
         g = torch.Generator().manual_seed(0)
         q = quantize_weight(torch.randn(24, 300, generator=g))
         x = torch.randn(5, 300, generator=g)
@@ -127,10 +124,9 @@ def _build() -> str | None:
         want = (xq.double() @ dequantize(q).t()) * scale.double()
         if not torch.allclose(q4_rows_mm(x, q).double(), want, rtol=1e-5, atol=1e-5 * float(want.abs().max())):
             return "the built kernel disagrees with exact integer products"
-    except Exception as e:  # noqa: BLE001 - any build failure just makes the numerics unavailable
-        warnings.warn(f"the W4A8 kernel could not be built: {e}", stacklevel=3)
-        return f"build failed: {type(e).__name__}"
-    return None
+        return None
+
+    return build_checked("specdraft_q4_rows", SOURCE, FLAGS, check, "the W4A8 kernel")
 
 
 class W4A8Linear(nn.Module):

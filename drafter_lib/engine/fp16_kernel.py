@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import warnings
 from pathlib import Path
 
 import torch
@@ -55,21 +54,18 @@ def kernel_unavailable() -> str | None:
 @functools.cache
 def _build() -> str | None:
     """Build (or find built) and load the kernel once per process, and check it; None, or why it failed."""
-    try:
-        from torch.utils.cpp_extension import load
+    from drafter_lib.common.cpp_kernels import build_checked
 
-        load("specdraft_half_rows", [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-             is_python_module=False)
+    def check() -> str | None:
         g = torch.Generator().manual_seed(0)
         x, w = torch.randn(3, 37, generator=g), torch.randn(11, 37, generator=g).half()
         scale = torch.rand(11, generator=g)
         if not torch.allclose(half_rows_mm(x, block_rows(w), scale), (x @ w.float().t()) * scale, rtol=1e-5,
                               atol=1e-5):
             return "the built kernel disagrees with torch"
-    except Exception as e:  # noqa: BLE001 - any build failure just drops the candidate
-        warnings.warn(f"the half-rows kernel could not be built, it is not a candidate: {e}", stacklevel=3)
-        return f"build failed: {type(e).__name__}"
-    return None
+        return None
+
+    return build_checked("specdraft_half_rows", SOURCE, FLAGS, check, "the half-rows kernel")
 
 
 def block_rows(w: torch.Tensor) -> torch.Tensor:

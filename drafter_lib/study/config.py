@@ -182,7 +182,8 @@ def _qwen_coder(keep_layers: str | list[int] = QWEN_CODER_KEEP_LAYERS,
                 draft_vocab_size: int | None = QWEN_CODER_DRAFT_VOCAB) -> StudyConfig:
     # A drafter for Qwen2.5-Coder-1.5B-Instruct: 8 layers of Qwen2.5-Coder-0.5B-Instruct (the teacher's tokenizer),
     # both GGUF Q4_K_M in pinned part packages, installed and converted to float on first use (~10 min once).
-    # SIZED FROM MEASURED STAGE RATES, NOT YET RUN END TO END; aimed at <= 150 min for stages 01-05 on 2 AVX2 cores:
+    # Run end to end once (docs/studies/qwen_coder.md: ~2 h on 2 AVX2 Zen 1 cores; teacher ~60 min, training 11 min,
+    # pack 9 min, evaluation 35 min beside the tests); sized beforehand from measured stage rates:
     # - 02_teacher: the 1.5B in fp32 writes 3.5 answer tokens/s at batch 32 with top-16 soft labels at every position
     #   (`OMP_WAIT_POLICY=PASSIVE python bench/teacher.py --teacher qwen2.5-coder-1.5b-instruct --systems
     #   native-soft-prompt-16 --n 32 --max-new-tokens 64 --batch-sizes 32`; the prompts' prefill dominates), so

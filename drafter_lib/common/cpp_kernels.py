@@ -2,9 +2,25 @@
 `~/.cache/torch_extensions`), loaded into the process, and checked against torch before anything uses them."""
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+
+
+def compiler_missing() -> str | None:
+    """None where the C++ compiler (`CXX`, else g++) is on PATH; else why not."""
+    compiler = os.environ.get("CXX", "g++")
+    return None if shutil.which(compiler) else f"no C++ compiler ({compiler}) on PATH"
+
+
+def avx2_missing() -> str | None:
+    """None where torch runs AVX2 (or AVX-512) code here, which the kernels are compiled for; else why not."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return None if capability in ("AVX2", "AVX512") else f"the CPU lacks AVX2 ({capability})"
 
 
 def build_checked(name: str, source: Path, flags: list[str], check: Callable[[], str | None], what: str) -> str | None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import platform
-import shutil
 import statistics
 import time
 import warnings
@@ -84,7 +83,9 @@ def cached_choice(key: str, measure, choices=None) -> dict:
 def compile_wanted() -> bool:
     """The compiled path is a candidate: SPECDRAFT_COMPILE is not "0" and a C++ compiler is on PATH (a cheap check;
     inductor is imported only when the path is timed or chosen)."""
-    return os.environ.get("SPECDRAFT_COMPILE", "1") != "0" and bool(shutil.which(os.environ.get("CXX", "g++")))
+    from drafter_lib.common.cpp_kernels import compiler_missing
+
+    return os.environ.get("SPECDRAFT_COMPILE", "1") != "0" and compiler_missing() is None
 
 
 def _read_cache(path: Path) -> dict:

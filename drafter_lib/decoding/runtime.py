@@ -45,18 +45,17 @@ def runtime_target(model: Transformer, numerics: str = "w8a8", kernel: str | Non
     (smoothing.py; `calibration_rows(tokenizer)` are the usual ones)."""
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
-    if numerics == "w8a8":
-        from drafter_lib.decoding.w8a8 import quantize_linears
+    if numerics in ("w8a8", "w4a8"):
+        from drafter_lib.decoding.w8a8 import quantize_linears, replace_linears
 
         if calibration:
             smooth(model, calibration)
-        quantize_linears(model, kernel)
-    elif numerics == "w4a8":
-        from drafter_lib.decoding import w4a8
+        if numerics == "w8a8":
+            quantize_linears(model, kernel)
+        else:
+            from drafter_lib.decoding.w4a8 import W4A8Linear
 
-        if calibration:
-            smooth(model, calibration)
-        w4a8.quantize_linears(model)
+            replace_linears(model, W4A8Linear)
     model.row_exact = True
     return NativeTarget(model, linears="stock")
 

@@ -19,8 +19,6 @@ The kernel is built once per machine with torch's C++ extension builder (AVX2 an
 from __future__ import annotations
 
 import functools
-import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,12 +102,10 @@ def q4_rows_mm(x: torch.Tensor, q: Q4Weight) -> torch.Tensor:
 
 def kernel_unavailable() -> str | None:
     """Why the kernel cannot run here (None: it is built, loaded and checked against exact integer products)."""
-    compiler = os.environ.get("CXX", "g++")
-    if not shutil.which(compiler):  # asked for by name, so it does not follow SPECDRAFT_COMPILE (inductor's switch)
-        return f"no C++ compiler ({compiler}) on PATH"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return f"the CPU lacks AVX2 ({torch.backends.cpu.get_cpu_capability()})"
-    return _build()
+    from drafter_lib.common.cpp_kernels import avx2_missing, compiler_missing
+
+    # asked for by name, so it does not follow SPECDRAFT_COMPILE (inductor's switch) as the engine's kernel does
+    return compiler_missing() or avx2_missing() or _build()
 
 
 @functools.cache
@@ -155,15 +151,6 @@ class W4A8Linear(nn.Module):
         return dequantize(self.q).float()
 
 
-def quantize_linears(model) -> dict:
-    """Put W4A8 products in place of every linear of `model` (q/k/v fused, gate/up fused, the head its own)."""
-    from drafter_lib.decoding.w8a8 import replace_linears
-
-    replace_linears(model, W4A8Linear)
-    model.w4a8 = dict(path="q4_rows")
-    return model.w4a8
-
-
 # The op's schema and shape function; the CPU kernel registers itself when `_build` loads it.
 _LIB = torch.library.Library("specdraft", "FRAGMENT")
 _LIB.define("q4_rows_mm(Tensor x, Tensor qs, Tensor sc, Tensor mn, Tensor d, Tensor dmin) -> Tensor")
@@ -175,4 +162,4 @@ def _(x, qs, sc, mn, d, dmin):
 
 
 __all__ = ["Q4Weight", "W4A8Linear", "quantize_weight", "dequantize", "quantize_rows", "q4_rows_mm",
-           "kernel_unavailable", "quantize_linears"]
+           "kernel_unavailable"]

@@ -34,21 +34,16 @@ BATCH_ROWS = 8  # rows of the timed batched call: a server's decode step with 8 
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp"]  # -fopenmp: at::parallel_for splits the outputs
 
 
-def _cpu_has_avx2() -> bool:
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
 def kernel_unavailable() -> str | None:
     """Why the kernel cannot run here (None: it is built, loaded and checked against torch)."""
+    from drafter_lib.common.cpp_kernels import avx2_missing
     from drafter_lib.common.measured_choice import compile_wanted
 
     if not compile_wanted():
         return "SPECDRAFT_COMPILE=0 or no C++ compiler"
     if kernel_rule() == "0":
         return "SPECDRAFT_HALF_ROWS=0"
-    if not _cpu_has_avx2():
-        return f"the CPU lacks AVX2 ({torch.backends.cpu.get_cpu_capability()})"
-    return _build()
+    return avx2_missing() or _build()
 
 
 @functools.cache

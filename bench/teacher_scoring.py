@@ -2,7 +2,7 @@
 them (one batched decode step per token), side by side on the same prompts, batch size and continuation tokens.
 
     OMP_WAIT_POLICY=PASSIVE python bench/teacher_scoring.py [--n 16] [--max-new-tokens 64] [--batch-size 16]
-        [--soft-topk 16] [--repeats 1]
+        [--score-batch-size N] [--soft-topk 16] [--repeats 1]
 
 Uses the default teacher (SmolLM2-135M-Instruct, offline) on the native backend, as the teacher stage runs it.
 Each repeat generates the continuations of --n built-in prompts (`targets.generate_targets`, top-K soft labels at
@@ -43,9 +43,13 @@ def main():
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--score-batch-size", type=int, default=None,
+                    help="rows per scoring forward pass (default --batch-size); rows are sorted by length, so small "
+                         "batches pad little")
     ap.add_argument("--soft-topk", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
+    score_batch = args.score_batch_size or args.batch_size
     print(f"torch {torch.__version__}  cpu capability {torch.backends.cpu.get_cpu_capability()}  "
           f"threads {torch.get_num_threads()}")
     model, tok = hf_models.load_default_teacher()
@@ -64,7 +68,7 @@ def main():
                     tokens, src = st["new_tokens"], out
                 else:
                     st = score_targets(rows_file, model, tok, out, soft_topk=args.soft_topk, hard_labels=True,
-                                       batch_size=args.batch_size, backend="native", progress=False)
+                                       batch_size=score_batch, backend="native", progress=False)
                     tokens = st["scored_tokens"]
                     rows = read_rows(out)
                     agree = sum(r["target_argmax_ids"] == r["continuation_ids"] for r in rows), len(rows)
@@ -74,8 +78,9 @@ def main():
                 if mode == "generate":
                     rows_file = src  # the next scoring reads these rows
     med = {m: sorted(v)[len(v) // 2] for m, v in tps.items()}
-    print(f"\n{args.n} prompts x up to {args.max_new_tokens} new tokens, batch {args.batch_size}, top-{args.soft_topk} "
-          f"soft labels at every continuation position (median of {args.repeats} repeat(s))")
+    print(f"\n{args.n} prompts x up to {args.max_new_tokens} new tokens, batch {args.batch_size} (scoring "
+          f"{score_batch}), top-{args.soft_topk} soft labels at every continuation position (median of "
+          f"{args.repeats} repeat(s))")
     print(f"generate {med['generate']:8.1f} tok/s\nscore    {med['score']:8.1f} tok/s\n"
           f"ratio    {med['score'] / med['generate']:8.2f}x (score / generate)")
     print(f"scored argmax equal to the generated row: {agree[0]}/{agree[1]} rows")

@@ -269,3 +269,33 @@ def test_ce_on_rows_scored_without_hard_labels_is_refused(tmp_path):
                             progress=False, loss="ce")
     with pytest.raises(ValueError, match="without --hard-labels"):
         train.run_training(cfg)
+
+
+def test_the_study_teacher_stage_scores_a_writers_rows(tmp_path):
+    """teacher.writer: stage 02 has the writer draft the training prompts and the teacher score them. With the
+    teacher itself as the writer its greedy token at every position is the written one."""
+    from drafter_lib.common.overrides import ConfigError
+    from drafter_lib.study import config as C
+    from drafter_lib.study import stages
+
+    cfg, run = stages.open_run(str(tmp_path / "run"), "smoke", {"data.total_prompts": 12})
+    stages.build_prompts(cfg, run)
+    writer = run.tiny_model_dir("llama")  # the smoke teacher's own checkpoint folder
+    cfg, run = stages.open_run(str(tmp_path / "run"), "smoke", {"teacher.writer": str(writer)})
+    stats, tok = stages.generate_targets(cfg, run)
+    assert stats["mode"] == "score" and stats["draft"]["written"] == stats["score"]["written"] > 0
+    drafted, scored = by_id(run.drafted), by_id(run.targets)
+    assert drafted.keys() == scored.keys()
+    for rid, row in scored.items():
+        assert row["continuation_ids"] == drafted[rid]["continuation_ids"]
+        assert row["target_argmax_ids"] == row["continuation_ids"]
+    assert meta(run.targets)["generation"]["mode"] == "score"
+    assert set(soft_labels.stored_row_ids(soft_labels.soft_dir_for(run.targets))) == set(scored)
+    assert json.loads(run.teacher_stats.read_text())["new_tokens"] == sum(
+        len(r["continuation_ids"]) for r in scored.values())
+
+    from drafter_lib.study import disk_estimate as de
+    assert de.estimate(cfg, len(tok)).total >= de.written_bytes(run.targets) > run.targets.stat().st_size
+
+    with pytest.raises(ConfigError, match="teacher.writer: .* is neither a packed model dir"):
+        C.build_config("smoke", {"teacher.writer": str(tmp_path / "nowhere")})

@@ -272,6 +272,10 @@ class RunLayout:
         return self.teacher_dir / "targets.jsonl"
 
     @property
+    def drafted(self) -> Path:  # teacher.writer's continuations, before the teacher scores them
+        return self.teacher_dir / "drafted.jsonl"
+
+    @property
     def teacher_stats(self) -> Path:
         return self.teacher_dir / "stats.json"
 

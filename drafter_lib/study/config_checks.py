@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from drafter_lib.common.layout import resolve_shared_data
+from drafter_lib.common.layout import REPO_ROOT, resolve_shared_data
 from drafter_lib.common.overrides import ConfigError
 from drafter_lib.model.transformer import SUPPORTED_ARCHS
 from drafter_lib.packed.config_keys import ENGINE_DTYPES
@@ -234,6 +234,15 @@ def _check_model_sizes(cfg: ConfigSections, allow_download: bool) -> None:
               f"that fit: {_fits([h], q.embed_bits)}")
 
 
+def _check_writer(writer, backend: str) -> None:
+    _need(isinstance(writer, str) and writer != "", "teacher.writer",
+          f"a packed model dir or a training checkpoint folder, or null, got {writer!r}")
+    path = Path(writer) if Path(writer).is_absolute() else REPO_ROOT / writer
+    _need((path / "manifest.json").is_file() or (path / "config.json").is_file(), "teacher.writer",
+          f"{path} is neither a packed model dir (manifest.json) nor a checkpoint folder (config.json)")
+    _need(backend != "vllm", "teacher.writer", "the teacher scores on the native or hf backend, not vllm")
+
+
 def _check_device(device: str) -> None:
     """The study's device is on this machine (checked with the models: a config may be written on one machine and
     run on another), so a run on the wrong machine stops before any stage instead of inside a notebook."""
@@ -294,6 +303,9 @@ def check(cfg: ConfigSections, check_models: bool = True, allow_download: bool =
     _need(t.backend in BACKENDS, "teacher.backend", f"expected one of {BACKENDS}, got {t.backend!r}")
     _at_least(t.soft_topk, 0, "teacher.soft_topk")
     _need(not t.soft_prompt or t.soft_topk > 0, "teacher.soft_prompt", "needs teacher.soft_topk > 0")
+    if t.writer is not None:
+        _check_writer(t.writer, t.backend)
+    _at_least(t.score_batch_size, 1, "teacher.score_batch_size")
     tr = cfg.train
     _need(tr.loss == "ce" or t.soft_topk > 0, "train.loss", f"{tr.loss!r} trains on soft labels: set "
           "teacher.soft_topk > 0")

@@ -55,6 +55,11 @@ class TeacherConfig:
     tensor_parallel_size: int = 1  # vllm only: GPUs one vLLM engine spreads the teacher over
     soft_topk: int = 16  # also store the teacher's top-K log-probs per continuation token (0: off)
     soft_prompt: bool = True  # ... and at prompt positions (for train.loss_on_prompt)
+    # "drafter writes, target scores": a packed model dir or training checkpoint folder (repository-relative) whose
+    # greedy continuations of the prompts the teacher scores in one forward pass per batch, storing its greedy token
+    # (the hard label) and top-K at every position; null: the teacher writes its own continuations
+    writer: str | None = None
+    score_batch_size: int = 16  # rows per scoring forward pass (its logits are rows x tokens x vocabulary floats)
 
 
 @dataclass

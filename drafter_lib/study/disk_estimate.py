@@ -32,10 +32,13 @@ def id_bytes(vocab_size: int | None) -> int:
 
 
 def teacher_bytes(rows: int, prompt_tokens: int, answer_tokens: int, vocab_size: int | None, soft_topk: int,
-                  soft_prompt: bool, rows_per_part: int = 128) -> dict:
+                  soft_prompt: bool, rows_per_part: int = 128, scored: bool = False) -> dict:
     """{"targets", "soft", "total"}: bytes of targets.jsonl and targets.soft/ for `rows` rows holding
-    `prompt_tokens` prompt and `answer_tokens` answer tokens in all (soft-label parts of `rows_per_part` rows)."""
+    `prompt_tokens` prompt and `answer_tokens` answer tokens in all (soft-label parts of `rows_per_part` rows).
+    scored (teacher.writer): "targets" also holds the writer's drafted.jsonl and the targets' hard labels."""
     targets = rows * JSONL_ROW_BYTES + (prompt_tokens + answer_tokens) * id_bytes(vocab_size)
+    if scored:
+        targets = 2 * targets + answer_tokens * id_bytes(vocab_size)
     soft = 0
     if soft_topk:
         positions = answer_tokens + (max(prompt_tokens - rows, 0) if soft_prompt else 0)
@@ -99,7 +102,8 @@ def estimate(cfg, vocab_size: int | None) -> TeacherEstimate:
     p, a = cfg.data.max_prompt_tokens, cfg.teacher.max_new_tokens
     t = cfg.teacher
     return TeacherEstimate(n, how, p, a, vocab_size, t.soft_topk, t.soft_prompt,
-                           teacher_bytes(n, n * p, n * a, vocab_size, t.soft_topk, t.soft_prompt, t.batch_size))
+                           teacher_bytes(n, n * p, n * a, vocab_size, t.soft_topk, t.soft_prompt,
+                                         t.score_batch_size if t.writer else t.batch_size, scored=bool(t.writer)))
 
 
 def human_bytes(n: float) -> str:
@@ -111,11 +115,12 @@ def human_bytes(n: float) -> str:
 
 
 def written_bytes(targets_path: str | Path) -> int:
-    """Bytes a run's teacher stage has written so far: targets.jsonl and its soft-label parts."""
+    """Bytes a run's teacher stage has written so far: targets.jsonl, its soft-label parts and, where a writer
+    drafted the rows the teacher scored (teacher.writer), drafted.jsonl beside it."""
     from drafter_lib.teacher.soft_labels import list_parts, soft_dir_for
 
     p = Path(targets_path)
-    files = ([p] if p.is_file() else []) + list_parts(soft_dir_for(p))
+    files = [f for f in (p, p.with_name("drafted.jsonl")) if f.is_file()] + list_parts(soft_dir_for(p))
     return sum(f.stat().st_size for f in files)
 
 

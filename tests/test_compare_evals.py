@@ -5,7 +5,15 @@ import pytest
 
 from drafter_lib.common.files import write_json
 from drafter_lib.evaluation import bootstrap
-from drafter_lib.evaluation.compare import compare_evals, curve_points, load_eval, main, markdown, teacher_tokens
+from drafter_lib.evaluation.compare import (
+    compare_evals,
+    curve_points,
+    load_eval,
+    main,
+    markdown,
+    teacher_seconds,
+    teacher_tokens,
+)
 
 
 def _metrics(ids, groups, rows, origins=None):
@@ -69,6 +77,12 @@ def test_teacher_tokens_from_answers_or_a_single_runs_stats(tmp_path):
     write_json(pub / "teacher" / "stats.json", {"written": 1, "already_done": 1, "new_tokens": 300})
     with pytest.raises(FileNotFoundError, match="single teacher run"):
         teacher_tokens(pub)  # a resumed run's stats count only its last part
+    assert teacher_seconds(pub) is None and teacher_seconds(run) is None
+    write_json(pub / "teacher" / "stats.json", {"mode": "score", "draft": {"already_done": 0, "seconds": 5.0},
+                                                "score": {"already_done": 3, "seconds": 7.0}, "seconds": 12.0})
+    assert teacher_seconds(pub) is None  # the scoring was resumed: its seconds are a part of the time
+    write_json(pub / "teacher" / "stats.json", {"written": 2, "already_done": 0, "new_tokens": 695, "seconds": 9.5})
+    assert teacher_seconds(pub) == 9.5
 
 
 def test_curve_points_group_labels_by_mixture():
@@ -89,6 +103,10 @@ def test_cli_writes_tables_and_plots(tmp_path, capsys):
         (tmp_path / name / "teacher").mkdir(parents=True)
         (tmp_path / name / "teacher" / "targets.jsonl").write_text(
             json.dumps({"id": "x", "prompt_ids": [1], "continuation_ids": list(range(n))}) + "\n")
+    write_json(tmp_path / "ra" / "teacher" / "stats.json", {"already_done": 0, "new_tokens": 2, "seconds": 3600.0})
+    write_json(tmp_path / "rb" / "teacher" / "stats.json",  # a writer drafted, the teacher scored
+               {"mode": "score", "draft": {"already_done": 0, "seconds": 600.0},
+                "score": {"already_done": 0, "seconds": 1200.0}, "seconds": 1800.0, "new_tokens": 3})
     out = tmp_path / "out"
     main([f"base @ s={tmp_path / 'a.json'}", f"new @ s={tmp_path / 'b.json'}", "--out", str(out),
           "--teacher", f"base @ s={tmp_path / 'ra'}", "--teacher", f"new @ s={tmp_path / 'rb'}"])
@@ -96,8 +114,10 @@ def test_cli_writes_tables_and_plots(tmp_path, capsys):
     assert "**packed + copy prior**" in text and "held-out sets" in text and "teacher tokens: base @ s 2" in text
     rep = json.loads((out / "compare.json").read_text())
     assert rep["teacher_tokens"] == {"base @ s": 2, "new @ s": 3}
+    assert rep["teacher_seconds"] == {"base @ s": 3600.0, "new @ s": 1800.0}
+    assert "teacher seconds: base @ s 3,600" in text
     assert (out / "compare.md").read_text().strip() == text.split("\n\nteacher tokens")[0].strip()
-    for png in ("data_curve.png", "per_group_packed.png", "per_group_packed___copy_prior.png"):
+    for png in ("data_curve.png", "data_curve_time.png", "per_group_packed.png", "per_group_packed___copy_prior.png"):
         assert (out / png).stat().st_size > 1000
     with pytest.raises(SystemExit):
         main([f"a={tmp_path / 'a.json'}", "--out", str(out), "--teacher", f"nope={tmp_path / 'ra'}"])

@@ -278,9 +278,11 @@ def group_intervals(results: Mapping[str, Mapping[str, Mapping]], path,
 
 
 def data_curve(curves: Mapping[str, Mapping[str, Sequence[Mapping]]], path, n_prompts: int | None = None,
-               title: str = "Acceptance against the teacher's answer tokens") -> Path:
+               title: str = "Acceptance against the teacher's answer tokens",
+               xlabel: str = "teacher answer tokens in training (log)") -> Path:
     """One panel per drafter row: mean acceptance length with its 95 % interval against the teacher tokens the pack
-    was trained on (log scale), one line per mixture. `curves`: row -> mixture -> points {"tokens", "mal", "ci"}."""
+    was trained on (or another measure of its data, `xlabel`; log scale), one line per mixture. `curves`: row ->
+    mixture -> points {"tokens", "mal", "ci"}."""
     if not any(curves.values()):
         raise ValueError("no data-curve points to plot")
     fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 4), squeeze=False)
@@ -291,7 +293,7 @@ def data_curve(curves: Mapping[str, Mapping[str, Sequence[Mapping]]], path, n_pr
                                       [max(p["ci"][1] - p["mal"], 0) for p in pts]],
                         fmt="o-", color=f"C{n}", capsize=3, ms=5, label=mixture)
         ax.set_xscale("log")
-        ax.set_xlabel("teacher answer tokens in training (log)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel("tokens per target step (MAL)" + (f", {n_prompts} prompts" if n_prompts else ""))
         ax.set_title(row, fontsize=10)
         ax.grid(alpha=0.3, which="both")

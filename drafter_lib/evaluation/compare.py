@@ -55,6 +55,19 @@ def teacher_tokens(run_dir) -> int:
     raise FileNotFoundError(f"{run_dir}: neither the teacher's answers nor stats of a single teacher run")
 
 
+def teacher_seconds(run_dir) -> float | None:
+    """Seconds the run's teacher stage spent making its training data (generating, or a writer drafting plus the
+    teacher scoring), from its stats when the stage ran in one go; None otherwise."""
+    run = RunLayout.of(run_dir)
+    if not run.teacher_stats.is_file():
+        return None
+    stats = read_json(run.teacher_stats)
+    parts = [stats.get("draft", {}), stats.get("score", {})] if stats.get("mode") == "score" else [stats]
+    if any(p.get("already_done") for p in parts) or "seconds" not in stats:
+        return None
+    return float(stats["seconds"])
+
+
 def _by_id(m: dict, row: str, ids: Sequence[str]) -> list[list[int]]:
     per = dict(zip(m["item_ids"], m["baselines"][row]["per_prompt"]))
     return [per[i] for i in ids]
@@ -133,21 +146,22 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def curve_points(report: dict, tokens: Mapping[str, int], row: str) -> dict[str, list[dict]]:
-    """mixture -> [{"tokens", "mal", "ci", "label"}] sorted by tokens, for the labels with teacher tokens; the
-    mixture is the label's part before " @ "."""
+def curve_points(report: dict, tokens: Mapping[str, float], row: str) -> dict[str, list[dict]]:
+    """mixture -> [{"tokens", "mal", "ci", "label"}] sorted by tokens (or any other measure of the teacher's data:
+    its seconds), for the labels with a value; the mixture is the label's part before " @ "."""
     series: dict[str, list[dict]] = {}
     for label, e in report["rows"][row].items():
         if label in tokens:
             series.setdefault(label.split(CURVE_SEP)[0], []).append(
-                {"tokens": int(tokens[label]), "mal": e["all"]["mal"], "ci": e["all"]["ci"], "label": label})
+                {"tokens": tokens[label], "mal": e["all"]["mal"], "ci": e["all"]["ci"], "label": label})
     return {s: sorted(p, key=lambda x: x["tokens"]) for s, p in series.items()}
 
 
 def write_report(evals: Mapping[str, str | Path], out_dir, rows: Sequence[str] | None = None,
                  teacher_runs: Mapping[str, str | Path] | None = None) -> dict:
     """label -> metrics path; writes out_dir/compare.json, compare.md, per_group_<row>.png for each row and, with
-    teacher runs (label -> run dir), data_curve.png."""
+    teacher runs (label -> run dir), data_curve.png and, when every teacher stage ran in one go, data_curve_time.png
+    (acceptance against the teacher's CPU hours)."""
     from drafter_lib.common import plots
 
     out = Path(out_dir)
@@ -157,6 +171,13 @@ def write_report(evals: Mapping[str, str | Path], out_dir, rows: Sequence[str] |
         report["teacher_tokens"] = {label: teacher_tokens(d) for label, d in teacher_runs.items()}
         plots.data_curve({row: curve_points(report, report["teacher_tokens"], row) for row in report["rows"]},
                          out / "data_curve.png", n_prompts=report["prompts"])
+        seconds = {label: teacher_seconds(d) for label, d in teacher_runs.items()}
+        if all(v is not None for v in seconds.values()):
+            report["teacher_seconds"] = seconds
+            hours = {label: v / 3600 for label, v in seconds.items()}
+            plots.data_curve({row: curve_points(report, hours, row) for row in report["rows"]},
+                             out / "data_curve_time.png", n_prompts=report["prompts"],
+                             title="Acceptance against the teacher's time", xlabel="teacher CPU hours (log)")
     for row, by_label in report["rows"].items():
         slug = "".join(c if c.isalnum() else "_" for c in row).strip("_")
         plots.group_intervals({label: e["groups"] for label, e in by_label.items()}, out / f"per_group_{slug}.png",
@@ -197,6 +218,8 @@ def main(argv=None):
     print(markdown(report))
     if report.get("teacher_tokens"):
         print("\nteacher tokens: " + ", ".join(f"{k} {v:,}" for k, v in report["teacher_tokens"].items()))
+    if report.get("teacher_seconds"):
+        print("teacher seconds: " + ", ".join(f"{k} {v:,.0f}" for k, v in report["teacher_seconds"].items()))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 
 
 def save_figure(fig, path, dpi: int = 110) -> Path:
@@ -293,6 +294,10 @@ def data_curve(curves: Mapping[str, Mapping[str, Sequence[Mapping]]], path, n_pr
                                       [max(p["ci"][1] - p["mal"], 0) for p in pts]],
                         fmt="o-", color=f"C{n}", capsize=3, ms=5, label=mixture)
         ax.set_xscale("log")
+        # ticks at the points: a log axis over less than a decade otherwise prints overlapping minor labels
+        xs_all = sorted({p["tokens"] for pts in series.values() for p in pts})
+        ax.set_xticks(xs_all, [f"{x:,.3g}" for x in xs_all])
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(xlabel)
         ax.set_ylabel("tokens per target step (MAL)" + (f", {n_prompts} prompts" if n_prompts else ""))
         ax.set_title(row, fontsize=10)

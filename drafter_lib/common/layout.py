@@ -25,10 +25,15 @@ SHARED_DATA_DEFAULT = REPO_ROOT.parent / "shared" / "data"  # the shared corpora
 VENDORED_CORPORA_DIR = REPO_ROOT / "data" / "corpora"  # the same corpora, compressed, in the repository
 
 
-def resolve_run_dir(run_dir: str | os.PathLike) -> Path:
-    """Absolute run directory: relative paths are taken from the repository root, not the working directory."""
-    p = Path(run_dir).expanduser()
+def repo_path(path: str | os.PathLike) -> Path:
+    """Absolute path: relative paths are taken from the repository root, not the working directory."""
+    p = Path(path).expanduser()
     return (p if p.is_absolute() else REPO_ROOT / p).resolve()
+
+
+def resolve_run_dir(run_dir: str | os.PathLike) -> Path:
+    """Absolute run directory (`repo_path`)."""
+    return repo_path(run_dir)
 
 
 def resolve_shared_data(value) -> Path | None:

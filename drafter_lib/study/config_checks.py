@@ -11,7 +11,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from drafter_lib.common.layout import REPO_ROOT, resolve_shared_data
+from drafter_lib.common.layout import repo_path, resolve_shared_data
 from drafter_lib.common.overrides import ConfigError
 from drafter_lib.model.transformer import SUPPORTED_ARCHS
 from drafter_lib.packed.config_keys import ENGINE_DTYPES
@@ -237,7 +237,7 @@ def _check_model_sizes(cfg: ConfigSections, allow_download: bool) -> None:
 def _check_writer(writer, backend: str) -> None:
     _need(isinstance(writer, str) and writer != "", "teacher.writer",
           f"a packed model dir or a training checkpoint folder, or null, got {writer!r}")
-    path = Path(writer) if Path(writer).is_absolute() else REPO_ROOT / writer
+    path = repo_path(writer)
     _need((path / "manifest.json").is_file() or (path / "config.json").is_file(), "teacher.writer",
           f"{path} is neither a packed model dir (manifest.json) nor a checkpoint folder (config.json)")
     _need(backend != "vllm", "teacher.writer", "the teacher scores on the native or hf backend, not vllm")

@@ -8,7 +8,15 @@ import dataclasses
 from pathlib import Path
 
 from drafter_lib.common.files import read_json, to_jsonable, write_json
-from drafter_lib.common.layout import MODEL_DIR, REPO_ROOT, RunLayout, TrainLayout, repo_relative, resolve_shared_data
+from drafter_lib.common.layout import (
+    MODEL_DIR,
+    REPO_ROOT,
+    RunLayout,
+    TrainLayout,
+    repo_path,
+    repo_relative,
+    resolve_shared_data,
+)
 from drafter_lib.study import config
 from drafter_lib.study.config_sections import DEFAULT_SOURCE_WEIGHTS
 
@@ -169,12 +177,6 @@ def generate_targets(cfg: config.StudyConfig, run: RunLayout):
     return stats, tok
 
 
-def writer_path(cfg: config.StudyConfig) -> Path:
-    """teacher.writer as a path (repository-relative unless absolute)."""
-    p = Path(cfg.teacher.writer)
-    return p if p.is_absolute() else REPO_ROOT / p
-
-
 def score_drafter_rows(cfg: config.StudyConfig, run: RunLayout, prompts, model, tok) -> dict:
     """teacher.writer's greedy continuations of the prompts (run.drafted, resumable), then the teacher's score of
     them into run.targets (its greedy token and top-K at every position). -> both stages' stats and their sum."""
@@ -182,7 +184,7 @@ def score_drafter_rows(cfg: config.StudyConfig, run: RunLayout, prompts, model, 
     from drafter_lib.teacher.scoring import score_targets
 
     t = cfg.teacher
-    drafted = draft_continuations(prompts, writer_path(cfg), tok, run.drafted, max_new_tokens=t.max_new_tokens,
+    drafted = draft_continuations(prompts, repo_path(t.writer), tok, run.drafted, max_new_tokens=t.max_new_tokens,
                                   batch_size=t.batch_size)
     scored = score_targets(run.drafted, model, tok, run.targets, soft_topk=t.soft_topk, soft_prompt=t.soft_prompt,
                            hard_labels=True, batch_size=t.score_batch_size, backend=t.backend,

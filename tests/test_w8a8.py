@@ -6,15 +6,16 @@ import random
 import pytest
 import torch
 
-from drafter_lib.decoding import w4a8, w8a8
+from drafter_lib.decoding import block_rows, w4a8, w8a8
 from drafter_lib.decoding.runtime import runtime_from_model, runtime_target
 from drafter_lib.decoding.speculative import FnDrafter, greedy_decode, speculative_generate
 from drafter_lib.model.tiny_models import TINY_WEIGHT_SCALE
 from drafter_lib.model.transformer import ROW_BUCKET, Transformer
 
 USABLE = [k for k in w8a8.KERNELS if w8a8.kernel_unavailable(k) is None]
-# the integer numerics that run here (W4A8 needs its kernel built: AVX2 and a C++ compiler)
-INTEGER_NUMERICS = ["w8a8"] + (["w4a8"] if w4a8.kernel_unavailable() is None else [])
+# the integer numerics that run here (W4A8 and gguf need their kernels built: a C++ compiler; W4A8 also AVX2)
+INTEGER_NUMERICS = (["w8a8"] + (["w4a8"] if w4a8.kernel_unavailable() is None else [])
+                    + (["gguf"] if block_rows.kernel_unavailable() is None else []))
 
 
 def _runtime(tiny_random, arch: str, kernel: str | None = None, numerics: str = "w8a8"):

@@ -2,10 +2,21 @@
 
 `load_target_runtime(spec)` takes any target the study accepts (`smollm2-135m-instruct`, a local Hugging Face
 folder, a pinned hub id) and returns a `TargetRuntime`. `numerics` picks how its linears multiply:
-"w8a8" (int8 weights per output channel x int8 activations per row, int32 sums: `w8a8.py`; outlier channels
-smoothed into the weights first: `smoothing.py`) or "fp32".
-Both run the decoder's row-exact attention, so each row's logits never depend on the other rows of its pass and
-speculative decoding equals this runtime's own plain greedy decoding bit for bit.
+- "gguf": the target's GGUF weights block for block as llama.cpp multiplies them (Q8_0, Q4_1, Q4_K, Q6_K; a target
+  without a GGUF file is quantized once to Q8_0) x int8 activations with one scale per block of inputs, int32 sums
+  (`block_rows.py`, `gguf_weights.py`);
+- "w8a8": int8 weights per output channel x int8 activations per row, int32 sums (`w8a8.py`; outlier channels
+  smoothed into the weights first: `smoothing.py`);
+- "w4a8": 4-bit weights in groups x int8 activations per row (`w4a8.py`);
+- "fp32": torch's float linears.
+
+The guarantee. With the integer numerics a row's logits never depend on the other rows of its pass: its integers
+depend on the row alone, integer sums are exact, each (row, output)'s floats are added in one fixed order, and the
+decoder's row-exact attention (`Transformer.row_exact`) gives each query row the same keys and the same kernel call
+alone or in a pass. So a verify pass (a chain or a tree) gives every row the bits of a one-token step, and
+speculative decoding equals this runtime's own plain greedy decoding bit for bit (tests/test_w8a8.py,
+tests/test_block_rows.py). "fp32" keeps the row-exact attention but not the promise: torch's float products may
+sum a row differently with other rows beside it.
 """
 from __future__ import annotations
 
@@ -19,7 +30,8 @@ from drafter_lib.decoding.smoothing import calibration_rows, smooth
 from drafter_lib.decoding.speculative import NativeTarget
 from drafter_lib.model.transformer import Transformer
 
-NUMERICS = ("w8a8", "w4a8", "fp32")
+NUMERICS = ("w8a8", "gguf", "w4a8", "fp32")
+EXACT_NUMERICS = ("gguf", "w8a8", "w4a8")  # those that keep the guarantee above
 
 
 @dataclass
@@ -39,14 +51,21 @@ class TargetRuntime:
 
 
 def runtime_target(model: Transformer, numerics: str = "w8a8", kernel: str | None = None,
-                   calibration: Sequence[Sequence[int]] | None = None) -> NativeTarget:
-    """`model` (fp32 weights, converted in place to `numerics`) as a Target with row-exact attention. W8A8 smooths
-    the activations' outlier channels into the weights first where `calibration` token rows are given
-    (smoothing.py; `calibration_rows(tokenizer)` are the usual ones)."""
+                   calibration: Sequence[Sequence[int]] | None = None, blocks: dict | None = None) -> NativeTarget:
+    """`model` (fp32 weights, converted in place to `numerics`) as a Target with row-exact attention. W8A8 and W4A8
+    smooth the activations' outlier channels into the weights first where `calibration` token rows are given
+    (smoothing.py; `calibration_rows(tokenizer)` are the usual ones). "gguf" takes its weights from `blocks`
+    (gguf_weights.read_linears; None: the model's own weights in Q8_0), never smoothed: its activation scales are
+    per block already."""
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
-    if numerics in ("w8a8", "w4a8"):
-        from drafter_lib.decoding.w8a8 import quantize_linears, replace_linears
+    if numerics == "gguf":
+        from drafter_lib.decoding.block_rows import use_block_linears
+
+        model.weight_formats = use_block_linears(model, blocks)
+    elif numerics in ("w8a8", "w4a8"):
+        from drafter_lib.decoding.linear_swap import from_float_weights, replace_linears
+        from drafter_lib.decoding.w8a8 import quantize_linears
 
         if calibration:
             smooth(model, calibration)
@@ -55,14 +74,15 @@ def runtime_target(model: Transformer, numerics: str = "w8a8", kernel: str | Non
         else:
             from drafter_lib.decoding.w4a8 import W4A8Linear
 
-            replace_linears(model, W4A8Linear)
+            replace_linears(model, from_float_weights(W4A8Linear))
     model.row_exact = True
     return NativeTarget(model, linears="stock")
 
 
-def runtime_from_model(model: Transformer, tokenizer, name: str, numerics: str = "w8a8") -> TargetRuntime:
+def runtime_from_model(model: Transformer, tokenizer, name: str, numerics: str = "w8a8",
+                       blocks: dict | None = None) -> TargetRuntime:
     """A TargetRuntime around a hand-written decoder already in memory (fp32 weights), converted to `numerics`."""
-    target = runtime_target(model, numerics, calibration=calibration_rows(tokenizer))
+    target = runtime_target(model, numerics, calibration=calibration_rows(tokenizer), blocks=blocks)
     return TargetRuntime(target=target, tokenizer=tokenizer, stop_ids=tuple(stop_token_ids(tokenizer)), name=name,
                          context_length=int(model.config.max_position_embeddings), numerics=numerics)
 
@@ -75,4 +95,16 @@ def load_target_runtime(spec: str, numerics: str = "w8a8", revision: str | None 
     hf_model, tokenizer = load_teacher(spec, revision=revision, dtype=torch.float32)
     model = Transformer.from_hf_model(hf_model)
     del hf_model
-    return runtime_from_model(model, tokenizer, name=str(spec), numerics=numerics)
+    blocks = gguf_blocks(spec) if numerics == "gguf" else None
+    return runtime_from_model(model, tokenizer, name=str(spec), numerics=numerics, blocks=blocks)
+
+
+def gguf_blocks(spec: str) -> dict | None:
+    """The linear weights of `spec`'s GGUF file as stored (gguf_weights.read_linears), or None where the target
+    comes without one (a Hugging Face folder or hub model: "gguf" numerics then quantize it to Q8_0)."""
+    from drafter_lib.decoding.gguf_weights import read_linears
+    from drafter_lib.model.hf_models import model_gguf, parse_model_spec
+
+    if parse_model_spec(spec)[0] not in ("default", "parted"):
+        return None
+    return read_linears(model_gguf(spec))

@@ -26,6 +26,7 @@ import torch
 import torch.nn as nn
 
 from drafter_lib.common.measured_choice import cached_choice, interleaved_median
+from drafter_lib.decoding.linear_swap import from_float_weights, replace_linears
 from drafter_lib.model.transformer import Transformer
 
 KERNELS = ("fbgemm", "onednn", "int_mm")
@@ -134,45 +135,14 @@ class W8A8Linear(nn.Module):
         return self.qweight.float() * self.weight_scale[:, None]
 
 
-class _Split(nn.Module):
-    """One product over several projections' stacked weights (`make(weight, bias)` builds it), split back into their
-    outputs."""
-
-    def __init__(self, linears: list[nn.Linear], make):
-        super().__init__()
-        weights = torch.cat([lin.weight.detach().float() for lin in linears])
-        biases = [lin.bias for lin in linears]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b.detach().float() if b is not None else torch.zeros(lin.out_features) for b, lin in zip(biases, linears)])
-        self.fused = make(weights, bias)
-        self.sizes = [lin.out_features for lin in linears]
-
-    def forward(self, x):
-        return self.fused(x).split(self.sizes, dim=-1)
-
-
-def replace_linears(model: Transformer, make) -> None:
-    """Put `make(weight, bias)` products in place of every linear of `model`: q/k/v fused into one, gate/up into
-    one, the head its own (the embedding stays float)."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            att, mlp = layer.self_attn, layer.mlp
-            att.qkv = _Split([att.q_proj, att.k_proj, att.v_proj], make)
-            att.o_proj = make(att.o_proj.weight, att.o_proj.bias)
-            mlp.gate_up = _Split([mlp.gate_proj, mlp.up_proj], make)
-            mlp.down_proj = make(mlp.down_proj.weight, mlp.down_proj.bias)
-            del att.q_proj, att.k_proj, att.v_proj, mlp.gate_proj, mlp.up_proj  # the fused copies replace them
-        model.lm_head = make(model.lm_head.weight, None)
-
-
 def quantize_linears(model: Transformer, kernel: str | None = None) -> dict:
-    """Put W8A8 products in place of every linear of `model` (`replace_linears`). `kernel` None: the fastest here,
-    measured once and cached. Returns the choice ({"path": the kernel, and "ms" or "reason"})."""
+    """Put W8A8 products in place of every linear of `model` (linear_swap.replace_linears). `kernel` None: the
+    fastest here, measured once and cached. Returns the choice ({"path": the kernel, and "ms" or "reason"})."""
     choice = dict(path=kernel, reason="asked") if kernel else kernel_choice(model)
     kernel = choice["path"]
     if kernel not in KERNELS:
         raise ValueError(f"W8A8 kernel must be one of {KERNELS}, got {kernel!r}")
-    replace_linears(model, lambda w, b: W8A8Linear(w, b, kernel))
+    replace_linears(model, from_float_weights(lambda w, b: W8A8Linear(w, b, kernel)))
     model.w8a8 = choice
     return choice
 
@@ -224,5 +194,5 @@ def kernel_choice(model: Transformer) -> dict:
     return cached_choice(_timing_key(model), measure, KERNELS)
 
 
-__all__ = ["KERNELS", "W8A8Linear", "quantize_linears", "replace_linears", "kernel_choice", "kernel_unavailable",
+__all__ = ["KERNELS", "W8A8Linear", "quantize_linears", "kernel_choice", "kernel_unavailable",
            "quantize_rows", "quantize_weight", "activation_max", "has_vnni"]

@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 K_CHOICES = (1, 2, 4, 8, 16)
-TARGETS = ("hf", "native", "w8a8", "w4a8")
+TARGETS = ("hf", "native", "gguf", "w8a8", "w4a8")
 
 
 # ---------------------------------------------------------------------------------------------------- the math
@@ -101,10 +101,11 @@ def engine_of_shape(hf_config: dict, state_dict: dict, dtype: str | None = None)
                                   stored_rows=rows)
 
 
-def make_target(kind: str, hf_model, tokenizer=None):
+def make_target(kind: str, hf_model, tokenizer=None, blocks: dict | None = None):
     """The end-to-end target over a transformers model: "hf" (HFTarget, as bench/speculative.py's transformers
-    target), "native" (NativeTarget over the hand-written decoder, fp32), "w8a8" or "w4a8" (the target runtime: the
-    hand-written decoder with W8A8 or W4A8 linears and row-exact attention, `decoding/runtime.py`)."""
+    target), "native" (NativeTarget over the hand-written decoder, fp32), "gguf", "w8a8" or "w4a8" (the target
+    runtime: the hand-written decoder with integer linears and row-exact attention, `decoding/runtime.py`; "gguf"
+    takes its weights from `blocks`, runtime.gguf_blocks)."""
     from drafter_lib.decoding.speculative import HFTarget, NativeTarget
     from drafter_lib.model.transformer import Transformer
 
@@ -112,12 +113,12 @@ def make_target(kind: str, hf_model, tokenizer=None):
         return HFTarget(hf_model)
     if kind == "native":
         return NativeTarget(Transformer.from_hf_model(hf_model))
-    if kind in ("w8a8", "w4a8"):
+    if kind in ("gguf", "w8a8", "w4a8"):
         from drafter_lib.decoding.runtime import runtime_target
         from drafter_lib.decoding.smoothing import calibration_rows
 
         rows = calibration_rows(tokenizer) if tokenizer is not None else None  # no tokenizer: not smoothed
-        return runtime_target(Transformer.from_hf_model(hf_model), kind, calibration=rows)
+        return runtime_target(Transformer.from_hf_model(hf_model), kind, calibration=rows, blocks=blocks)
     raise ValueError(f"target kind must be one of {TARGETS}, got {kind!r}")
 
 

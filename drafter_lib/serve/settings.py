@@ -19,7 +19,7 @@ from drafter_lib.packed.config_keys import ENGINE_DTYPES, RECOMMENDED, check_min
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # decoding/runtime.py's NUMERICS, spelled out so that reading the settings imports no torch (a test keeps them equal)
-TARGET_NUMERICS = ("w8a8", "w4a8", "fp32")
+TARGET_NUMERICS = ("w8a8", "gguf", "w4a8", "fp32")
 LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 

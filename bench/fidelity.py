@@ -1,16 +1,15 @@
 """Fidelity to the fp32 model: how closely each target implementation's greedy output follows transformers fp32.
 
-    python bench/fidelity.py [--target SPEC] [--n 24] [--max-new-tokens 128] [--targets native w8a8 llama_cpp]
+    python bench/fidelity.py [--target SPEC] [--n 24] [--max-new-tokens 128] [--targets native gguf w8a8 llama_cpp]
                              [--gguf-types Q4_1 Q8_0] [--json OUT]
 
 Targets: one model (--target; the default teacher, SmolLM2-135M-Instruct, unless given) in the hand-written decoder
-fp32, in this project's target runtime (W8A8, `decoding/runtime.py`), and as its GGUF in llama.cpp (the default
-teacher's shipped Q4_1 and llama.cpp's Q8_0 of it; a parted model's Q4_K_M) (bench/target_rows.py).
-The reference is the same model in transformers, fp32: its weights are the GGUF's, de-quantized, so every row
-differs from it only by its own numerics. Prompts: the end-to-end benchmarks' held-out prompts (bench/workload.py).
-Figures (evaluation/fidelity.py): share of identical answers, mean tokens to the first difference, top-1 agreement
-under teacher forcing.
-"""
+fp32, in this project's target runtime (its GGUF blocks, W8A8, W4A8: `decoding/runtime.py`), and as its GGUF in
+llama.cpp (the default teacher's shipped Q4_1 and llama.cpp's Q8_0 of it; a parted model's Q4_K_M)
+(bench/target_rows.py). The reference is the same model in transformers, fp32: its weights are the GGUF's, de-quantized,
+so every row differs from it only by its own numerics. Prompts: the end-to-end benchmarks' held-out prompts
+(bench/workload.py). Figures (evaluation/fidelity.py): share of identical answers, mean tokens to the first difference,
+top-1 agreement under teacher forcing."""
 from __future__ import annotations
 
 import argparse
@@ -40,7 +39,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--n", type=int, default=24)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--targets", nargs="+", default=["native", "w8a8", "llama_cpp"],
-                    choices=["native", "w8a8", "w4a8", "llama_cpp"])
+                    choices=["native", "gguf", "w8a8", "w4a8", "llama_cpp"])
     ap.add_argument("--gguf-types", nargs="+", default=["Q4_1", "Q8_0"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)

@@ -1,7 +1,7 @@
 """What a target pass over k + 1 tokens costs, in one-token passes, for each target implementation side by side:
 the number that decides whether a drafter can pay (a free, always-right drafter gains at most (k + 1) / v_k).
 
-    python bench/pass_cost.py [--target SPEC] [--targets hf native w8a8 w4a8 llama_cpp] [--gguf-types Q4_1 Q8_0]
+    python bench/pass_cost.py [--target SPEC] [--targets hf native gguf w8a8 w4a8 llama_cpp] [--gguf-types Q4_1 Q8_0]
                               [--plot OUT.png] [--json OUT]
 
 Each target's v_k and the shipped drafter's cost per drafted token c come from `speedup.measure_cost` (384 tokens of
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--model-dir", default=str(ROOT / "model"))
     ap.add_argument("--target", default=hf_models.DEFAULT_TEACHER, help="the target model spec (default: %(default)s)")
     ap.add_argument("--targets", nargs="+", default=["hf", "native", "w8a8", "llama_cpp"],
-                    choices=["hf", "native", "w8a8", "w4a8", "llama_cpp"])
+                    choices=["hf", "native", "gguf", "w8a8", "w4a8", "llama_cpp"])
     ap.add_argument("--gguf-types", nargs="+", default=["Q4_1", "Q8_0"])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--plot", default=None, help="write the curves here (PNG)")

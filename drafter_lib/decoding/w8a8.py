@@ -149,9 +149,14 @@ def quantize_linears(model: Transformer, kernel: str | None = None) -> dict:
 
 def kernel_unavailable(kernel: str) -> str | None:
     """Why `kernel` cannot run here (None: it ran a small product exactly)."""
+    if kernel == "int_mm" and not has_vnni():
+        # without VNNI torch's x86 int8 kernels shift one operand to unsigned and sum pairs into int16, which an
+        # unsigned row value up to 255 times 127 can saturate: the 7-bit rows argued above do not cover it
+        return "no VNNI here: its int16 pair sums could saturate"
     try:
-        lin = W8A8Linear(torch.randn(64, 128), None, kernel)
-        xq, _ = quantize_rows(torch.randn(3, 128), lin.qmax)
+        g = torch.Generator().manual_seed(0)
+        lin = W8A8Linear(torch.randn(64, 128, generator=g), None, kernel)
+        xq, _ = quantize_rows(torch.randn(3, 128, generator=g), lin.qmax)
         want = (xq.double() @ lin.qweight.double().t()) * lin.weight_scale.double()
         got = lin.kernel(xq).double()
         if not torch.allclose(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max())):
@@ -161,15 +166,34 @@ def kernel_unavailable(kernel: str) -> str | None:
     return None
 
 
+def row_exactness_failure(kernel: str, weights: list[torch.Tensor], rows: int = 17) -> str | None:
+    """None where `kernel` gives every row the same bits alone as inside 2..`rows` rows, for each of `weights` (the
+    model's own shapes) and rows both random and on rounding ties; else which weight and row count broke it."""
+    gen = torch.Generator().manual_seed(1)
+    for w in weights:
+        lin = W8A8Linear(w, None, kernel)
+        k = w.shape[1]
+        noise = torch.randn(rows, k, generator=gen) * torch.rand(k, generator=gen) * 4
+        ties = torch.randint(-lin.qmax, lin.qmax, (rows, k), generator=gen).float() + 0.5  # x.5 after scaling
+        ties[:, 0] = lin.qmax
+        for x in (noise, ties):
+            alone = torch.cat([lin(x[i:i + 1]) for i in range(rows)])
+            for m in range(2, rows + 1):
+                if not torch.equal(lin(x[:m]), alone[:m]):
+                    return f"a row's bits changed beside others ({tuple(w.shape)} weight, {m} rows)"
+    return None
+
+
 def _timing_key(model: Transformer) -> str:
     c = model.config
     return (f"w8a8 kernel {c.arch} h{c.hidden_size} i{c.intermediate_size} L{c.num_hidden_layers} "
-            f"v{c.head_size} q{activation_max()}")
+            f"v{c.head_size} q{activation_max()} row-exact")
 
 
 def kernel_choice(model: Transformer) -> dict:
     """The W8A8 kernel that runs one layer's products fastest here over a one-token step plus a verify pass (the
-    speculative loop's mix), measured once per machine and model shape and cached."""
+    speculative loop's mix), among those that prove row-exact here at the layer's own shapes
+    (`row_exactness_failure`), measured once per machine and model shape and cached."""
     def measure() -> dict:
         c = model.config
         gen = torch.Generator().manual_seed(0)
@@ -177,7 +201,7 @@ def kernel_choice(model: Transformer) -> dict:
                   (c.hidden_size, c.num_attention_heads * c.head_dim), (2 * c.intermediate_size, c.hidden_size),
                   (c.hidden_size, c.intermediate_size)]
         weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in shapes]
-        usable = {k: kernel_unavailable(k) for k in KERNELS}
+        usable = {k: kernel_unavailable(k) or row_exactness_failure(k, weights) for k in KERNELS}
         runs = {}
         for name in [k for k, why in usable.items() if why is None]:
             lins = [W8A8Linear(w, None, name) for w in weights]
@@ -194,5 +218,5 @@ def kernel_choice(model: Transformer) -> dict:
     return cached_choice(_timing_key(model), measure, KERNELS)
 
 
-__all__ = ["KERNELS", "W8A8Linear", "quantize_linears", "kernel_choice", "kernel_unavailable",
+__all__ = ["KERNELS", "W8A8Linear", "quantize_linears", "kernel_choice", "kernel_unavailable", "row_exactness_failure",
            "quantize_rows", "quantize_weight", "activation_max", "has_vnni"]

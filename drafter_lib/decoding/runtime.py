@@ -89,22 +89,58 @@ def runtime_from_model(model: Transformer, tokenizer, name: str, numerics: str =
 
 @torch.inference_mode()
 def load_target_runtime(spec: str, numerics: str = "w8a8", revision: str | None = None) -> TargetRuntime:
-    """Load `spec` (see hf_models.load_teacher) into the hand-written decoder with `numerics`."""
-    from drafter_lib.model.hf_models import load_teacher
+    """Load `spec` (see hf_models.load_teacher) into the hand-written decoder with `numerics`. With "gguf" and a
+    target that has a GGUF file, its float linear weights are never read: the decoder takes its embedding, norms
+    and biases from the converted folder and its products from the GGUF's blocks (cached)."""
+    from drafter_lib.model.hf_models import load_teacher, model_folder
 
-    hf_model, tokenizer = load_teacher(spec, revision=revision, dtype=torch.float32)
-    model = Transformer.from_hf_model(hf_model)
-    del hf_model
     blocks = gguf_blocks(spec) if numerics == "gguf" else None
+    if blocks is not None:
+        from transformers import AutoTokenizer
+
+        folder = model_folder(spec, revision)
+        model, tokenizer = decoder_without_linears(folder), AutoTokenizer.from_pretrained(folder)
+    else:
+        hf_model, tokenizer = load_teacher(spec, revision=revision, dtype=torch.float32)
+        model = Transformer.from_hf_model(hf_model)
+        del hf_model
     return runtime_from_model(model, tokenizer, name=str(spec), numerics=numerics, blocks=blocks)
 
 
+def decoder_without_linears(folder) -> Transformer:
+    """The hand-written decoder of a Hugging Face folder with its embedding, norms and biases read from the folder's
+    safetensors and its linear weights left unallocated (meta), for products that bring their own weights."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from drafter_lib.common.files import read_json
+    from drafter_lib.model.transformer import ModelConfig, rope_inv_freq
+
+    folder = Path(folder)
+    cfg = ModelConfig.from_hf(read_json(folder / "config.json"))
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    linears = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    wanted = {name for name, _ in model.named_parameters(remove_duplicate=False)} - linears
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            state.update({k: f.get_tensor(k).float() for k in f.keys() if k in wanted})
+    missing = wanted - set(state)
+    if missing:
+        raise ValueError(f"{folder} lacks {sorted(missing)[:3]}")
+    model.load_state_dict(state, strict=False, assign=True)
+    model.model.rotary_emb.inv_freq = rope_inv_freq(cfg)  # a buffer made at init, not in the file
+    return model.eval()
+
+
 def gguf_blocks(spec: str) -> dict | None:
-    """The linear weights of `spec`'s GGUF file as stored (gguf_weights.read_linears), or None where the target
+    """The linear weights of `spec`'s GGUF file as stored (gguf_weights.cached_linears), or None where the target
     comes without one (a Hugging Face folder or hub model: "gguf" numerics then quantize it to Q8_0)."""
-    from drafter_lib.decoding.gguf_weights import read_linears
+    from drafter_lib.decoding.gguf_weights import cached_linears
     from drafter_lib.model.hf_models import model_gguf, parse_model_spec
 
     if parse_model_spec(spec)[0] not in ("default", "parted"):
         return None
-    return read_linears(model_gguf(spec))
+    return cached_linears(model_gguf(spec))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -213,8 +214,6 @@ def test_bad_requests_get_a_4xx_naming_the_problem(client, name):
     _refused(lambda: complete(model=name, prompt=[1, 10_000]), 400, "prompt", "vocabulary")
     _refused(lambda: complete(model=name, prompt=["a", "b"]), 400, "prompt", "batch of 2")
     _refused(lambda: complete(model=name, prompt=""), 400, "prompt", "empty")
-    _refused(lambda: complete(model=name, prompt="x", extra_body={"frobnicate": 1}), 400, "frobnicate",
-             "unrecognized")
     _refused(lambda: complete(model=name, prompt="x", stream=False, stream_options={"include_usage": True}), 400,
              "stream_options")
 
@@ -234,6 +233,122 @@ def test_keys_apply_to_the_v1_endpoints(server, name):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         assert http.post("/v1/chat/completions", json={}).status_code == 401
         assert http.get("/health").status_code == 200
+
+
+# ------------------------------------------------------------------ read as OpenAI reads requests
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        return http.post(path, json=body)
+
+
+def test_requests_parse_as_openai_parses_them(server, generation_runtime, name):
+    """null meaning the default, a message's name, the developer role as the system one, an assistant turn without
+    content, a text response_format, tools offered with no call, unknown fields: all served, the answer the
+    target's own greedy text of the prompt they stand for."""
+    from drafter_lib.common.chat import encode_chat
+
+    tok = generation_runtime.tokenizer
+    messages = [{"role": "developer", "content": "Be terse.", "name": "ops"},
+                {"role": "user", "content": "Hi", "name": "ann", "weight": 1},
+                {"role": "assistant", "content": None, "refusal": None},
+                {"role": "user", "content": [{"type": "text", "text": "Again?", "cache_control": {}}]}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": name, "messages": messages, "max_tokens": 12, "stream": None, "stream_options": None,
+            "temperature": None, "top_p": None, "n": None, "stop": None, "seed": None, "user": None, "logprobs": None,
+            "response_format": {"type": "text"}, "tools": [tool], "tool_choice": "none",
+            "parallel_tool_calls": False, "metadata": {"k": "v"}, "store": False, "frobnicate": 1}
+    as_template = [{"role": "system", "content": "Be terse.", "name": "ops"},
+                   {"role": "user", "content": "Hi", "name": "ann"}, {"role": "assistant", "content": ""},
+                   {"role": "user", "content": "Again?"}]
+    text, tokens, finish = reference(generation_runtime, encode_chat(tok, as_template), 12)
+    for _ in range(2):
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (text, finish)
+        assert r.json()["usage"]["completion_tokens"] == len(tokens)
+    for extra in ({"tools": [], "tool_choice": None}, {"tool_choice": "auto"},
+                  {"functions": [], "function_call": None}):
+        r = _post(server, "/v1/chat/completions", {"model": name, "messages": messages[1:2], "max_tokens": 2,
+                                                   **extra})
+        assert r.status_code == 200, (extra, r.text)
+    # a completion: null max_tokens is OpenAI's default of 16, null stream a whole answer
+    r = _post(server, "/v1/completions", {"model": name, "prompt": "Once", "max_tokens": None, "stream": None,
+                                          "echo": None, "suffix": None, "best_of": None, "frobnicate": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(
+        generation_runtime, tok.encode("Once"), 16)[0], r.text
+    log = server.log()
+    warned = [ln for ln in log.splitlines() if "ignoring the request field" in ln]
+    for field in ("'frobnicate'", "'metadata'", "'store'", "'parallel_tool_calls'", "'messages[].weight'",
+                  "'messages[].content[].cache_control'"):
+        assert sum(field in ln for ln in warned) == 1, (field, warned)  # once per name, however often sent
+    assert not any("'logprobs'" in ln or "'stream'" in ln for ln in warned)  # known fields are not "unknown"
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"response_format": {"type": "json_object"}}, "response_format", ["only text answers"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", ["json_schema"]),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", ["tool calls are not served"]),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools", ["none"]),
+    ({"tool_choice": "required"}, "tool_choice", ["tool calls are not served"]),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", []),
+    ({"functions": [{"name": "f"}]}, "functions", []),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+     "messages[0].content[1].type", ["only text is served", "image_url"]),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", ["required"]),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text", ["required"]),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[1].tool_calls",
+     ["tool calls"]),
+    ({"messages": [{"role": "tool", "content": "4"}]}, "messages[0].role", ["developer"]),
+    ({"n": 2}, "n", ["only greedy decoding"]),
+    ({"temperature": 0.5}, "temperature", ["only greedy decoding"]),
+    ({"stream": "yes"}, "stream", ["boolean"]),
+    ({"model": None}, "model", ["required"]),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, name, extra, param, words):
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    for w in words:
+        assert w in err["message"], (w, err)
+
+
+# ------------------------------------------------------------------ errors on every /v1 path and method
+
+
+def test_every_v1_path_and_method_answers_in_openai_shape_and_every_failure_is_counted(server, name):
+    errors = "specdraft:http_errors_total"
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        before = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in http.get("/metrics").text.splitlines()
+                  if ln.startswith(errors)}
+
+        def added(endpoint: str, status: int) -> float:
+            series = f'{errors}{{endpoint="{endpoint}",status="{status}"}}'
+            return _metric(http, series) - before.get(series, 0.0)
+
+        for method, path, status in [("GET", "/v1/nope", 404), ("POST", "/v1/chat/completion", 404),
+                                     ("GET", "/v1", 404), ("GET", "/v1/chat/completions", 405),
+                                     ("PUT", "/v1/completions", 405), ("DELETE", "/v1/models", 405)]:
+            r = http.request(method, path)
+            assert r.status_code == status, (method, path, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+            assert "POST /v1/chat/completions" in err["message"] and method in err["message"], err
+        assert http.get("/v1/chat/completions").headers["allow"] == "POST"
+        assert http.get("/nope").json() == {"detail": "Not Found"}  # outside /v1, FastAPI's own shape
+        assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert http.post("/v1/completions", json={"model": name, "prompt": "x", "n": 2}).status_code == 400
+        assert http.post("/draft", json={"tokens": "x"}).status_code == 422
+        assert added("other", 404) == 4 and added("/v1/chat/completions", 405) == 2  # (the Allow check: 2)
+        assert added("/v1/completions", 405) == 1 and added("/v1/models", 405) == 1
+        assert added("/v1/models", 401) == 1 and added("/v1/completions", 400) == 1 and added("/draft", 422) == 1
+        assert added("/health", 200) == 0  # answers below 400 are not failures
 
 
 # ------------------------------------------------------------------ the rest of the server
@@ -341,6 +456,79 @@ def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(generation_d
         srv.stop()
 
 
+# ------------------------------------------------------------------ a client that hangs up
+
+
+@pytest.fixture(scope="module")
+def gated_server(generation_dirs, tmp_path_factory):
+    """A server whose target steps wait while its gate file exists, with a small default answer bound."""
+    target_dir, drafter_dir = generation_dirs
+    tmp = tmp_path_factory.mktemp("gated")
+    gate = tmp / "gate"
+    srv = ServerProcess(drafter_dir, tmp / "server.log", code=GATED_SERVER, TARGET=target_dir, API_KEY=KEY,
+                        TEST_TARGET_GATE=gate, GENERATION_DEFAULT_MAX_TOKENS=7)
+    with srv:
+        srv.gate = gate
+        yield srv
+    gate.unlink(missing_ok=True)
+
+
+def _wait_for(http, metric: str, value: float, srv) -> None:
+    deadline = time.monotonic() + 60
+    while _metric(http, metric) != value:
+        assert time.monotonic() < deadline, (metric, _metric(http, metric), srv.log())
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_client_that_hangs_up_stops_its_generation_within_one_target_step(gated_server, generation_runtime,
+                                                                           name, stream):
+    """The target is held at the generation's first step while the client (a raw socket) hangs up on a request for
+    the whole context; released, that step ends the generation: one target step in all, and the next request is
+    answered at once."""
+    srv = gated_server
+    steps, abandoned = "specdraft:generation_target_steps_total", \
+        'specdraft:generations_total{finish_reason="abandoned"}'
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
+        before_steps, before_abandoned = _metric(http, steps), _metric(http, abandoned)
+        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Talk at length."}],
+                           "max_tokens": CONTEXT - 40, "stream": stream}).encode()
+        srv.gate.touch()
+        try:
+            conn = socket.create_connection(("127.0.0.1", srv.port))
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                         b"\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            _wait_for(http, "specdraft:generations_running", 1, srv)
+            conn.close()
+            time.sleep(1.0)  # the server reads the hang-up while the step is held
+        finally:
+            srv.gate.unlink(missing_ok=True)
+        _wait_for(http, abandoned, before_abandoned + 1, srv)
+        assert _metric(http, steps) - before_steps == 1  # the step running at the hang-up, and no other
+        assert _metric(http, "specdraft:generations_running") == 0
+        t0 = time.perf_counter()
+        r = http.post("/v1/completions", json={"model": name, "prompt": "Next", "max_tokens": 8})
+        assert r.status_code == 200 and time.perf_counter() - t0 < 3.0
+        assert r.json()["choices"][0]["text"] == reference(generation_runtime,
+                                                           generation_runtime.tokenizer.encode("Next"), 8)[0]
+
+
+def test_a_chat_answer_without_max_tokens_gets_the_servers_default_bound(gated_server, generation_runtime, name):
+    from drafter_lib.common.chat import encode_chat
+
+    messages = [{"role": "user", "content": "Say a lot."}]
+    text, tokens, finish = reference(generation_runtime, encode_chat(generation_runtime.tokenizer, messages), 7)
+    r = _post(gated_server, "/v1/chat/completions", {"model": name, "messages": messages})
+    assert r.status_code == 200, r.text
+    assert (r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"],
+            r.json()["usage"]["completion_tokens"]) == (text, finish, len(tokens))
+    assert len(tokens) == 7 or finish == "stop"
+    r = _post(gated_server, "/v1/chat/completions", {"model": name, "messages": messages, "max_tokens": 9})
+    assert r.json()["usage"]["completion_tokens"] == len(reference(
+        generation_runtime, encode_chat(generation_runtime.tokenizer, messages), 9)[1])  # asked for: served
+
+
 # ------------------------------------------------------------------ the settings
 
 
@@ -374,3 +562,19 @@ def test_target_numerics_setting_is_the_runtimes(monkeypatch, generation_dirs):
     with pytest.raises(ValidationError) as e:
         Settings.from_env()
     assert describe_errors(e.value) == ["TARGET_NUMERICS='int4': Input should be 'w8a8', 'w4a8' or 'fp32'"]
+
+
+def test_generation_default_max_tokens_setting(monkeypatch):
+    from pydantic import ValidationError
+
+    from drafter_lib.serve.settings import Settings, describe_errors
+
+    monkeypatch.delenv("GENERATION_DEFAULT_MAX_TOKENS", raising=False)
+    assert Settings.from_env().generation_default_max_tokens == 2048
+    monkeypatch.setenv("GENERATION_DEFAULT_MAX_TOKENS", "300")
+    assert Settings.from_env().public()["generation_default_max_tokens"] == 300
+    for bad in ("0", "many"):
+        monkeypatch.setenv("GENERATION_DEFAULT_MAX_TOKENS", bad)
+        with pytest.raises(ValidationError) as e:
+            Settings.from_env()
+        assert describe_errors(e.value)[0].startswith(f"GENERATION_DEFAULT_MAX_TOKENS={bad!r}: ")

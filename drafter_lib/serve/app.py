@@ -38,15 +38,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from drafter_lib.common.checks import check_token_ids
 from drafter_lib.common.files import to_jsonable
 from drafter_lib.serve.auth import BearerAuth
 from drafter_lib.serve.batching import EngineThread, MicroBatcher, Overloaded
 from drafter_lib.serve.generations import GenerationRunner
-from drafter_lib.serve.json_errors import send_json_error
+from drafter_lib.serve.json_errors import error_body, is_openai_path, send_json_error
 from drafter_lib.serve.logs import RequestIds, configure_logging
 from drafter_lib.serve.metrics import Metrics
 from drafter_lib.serve.openai_api import add_openai_routes
@@ -302,7 +304,25 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
     # the last added runs first: request id, then the key, then the body bound
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, keys=settings.api_keys())
-    app.add_middleware(RequestIds)
+    app.add_middleware(RequestIds, on_response=state.metrics.observe_http)
+
+    @app.exception_handler(HTTPException)
+    async def routing_error(request: Request, exc: HTTPException):
+        """An unknown path (404) or a wrong method (405): under /v1 in OpenAI's error shape, elsewhere FastAPI's."""
+        path = request.url.path
+        if not is_openai_path(path):
+            return await http_exception_handler(request, exc)
+        served = ", ".join(f"{m} {r.path}" for r in app.routes if is_openai_path(getattr(r, "path", ""))
+                           for m in sorted(set(getattr(r, "methods", None) or ()) - {"HEAD"})) or \
+            "nothing: the /v1 endpoints need a target (TARGET)"
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {path}): this server serves {served}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {path}: this server serves {served}"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(status_code=exc.status_code, content=error_body(exc.status_code, message, path),
+                            headers=exc.headers)
 
     def openapi():
         if app.openapi_schema is None:
@@ -312,7 +332,7 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
     app.openapi = openapi
     if state.generations is not None:
         add_openai_routes(app, state, state.generations, settings.target_name if runtime is None else runtime.name,
-                          int(started), DEFAULT_DRAFT_TOKENS)
+                          int(started), DEFAULT_DRAFT_TOKENS, settings.generation_default_max_tokens)
 
     def unavailable(exc: Overloaded, t0: float) -> JSONResponse:
         state.metrics.observe(503, time.perf_counter() - t0, exc.reason)
@@ -445,6 +465,7 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
             },
         }
 
+    state.metrics.bind_endpoints(getattr(r, "path", None) for r in app.routes)
     return app
 
 

@@ -59,6 +59,8 @@ class Settings(BaseSettings):
     # a Hugging Face folder; unset: the drafter alone, as before. TARGET_DIR is the same setting.
     target: str | None = Field(None, validation_alias=AliasChoices("target", "target_dir"))
     target_numerics: Literal[TARGET_NUMERICS] = "w8a8"  # how its linears multiply (decoding/runtime.py)
+    # the bound of a chat answer that sets no max_tokens (and of what the context leaves: the smaller wins)
+    generation_default_max_tokens: int = Field(2048, ge=1, le=1_000_000)
     api_key: SecretStr | None = None
     api_keys_file: Path | None = None
     behind_auth_proxy: bool = False

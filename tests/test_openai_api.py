@@ -161,6 +161,84 @@ def test_stop_strings_cut_the_text_and_count_the_tokens_up_to_them(client, gener
         assert out["usage"] == _usage(ids, tokens[:needed])
 
 
+# ------------------------------------------------------------------ log-probabilities
+
+
+def _plain_logprobs(runtime, ids, max_tokens: int, top: int) -> list:
+    """Plain decoding's (no drafter: one token per target pass) TokenLogprob entries."""
+    from drafter_lib.decoding.text_generation import TextGeneration
+
+    gen = TextGeneration(runtime, ids, max_tokens, None, top_logprobs=top)
+    return [e for d in gen for e in d.logprobs]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_logprobs_are_plain_decodings_for_every_token(client, generation_runtime, name, stream):
+    """logprobs=True, top_logprobs=2 through the openai client: a log-probability for every token of the answer,
+    equal (exactly, as JSON carries a float) to plain decoding's though the answer was drafted."""
+    from drafter_lib.common.chat import encode_chat
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = encode_chat(generation_runtime.tokenizer, messages)
+    text, tokens, finish = reference(generation_runtime, ids, 40)
+    expected = [{"token": e.text, "logprob": e.logprob, "bytes": list(e.bytes),
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, b, v in e.top]}
+                for e in _plain_logprobs(generation_runtime, ids, 40, 2)]
+    kw = dict(model=name, messages=messages, max_tokens=40, logprobs=True, top_logprobs=2)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        content = [lp.model_dump() for c in chunks if c.choices and c.choices[0].logprobs
+                   for lp in c.choices[0].logprobs.content]
+        out, usage, extra = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), \
+            chunks[-1].usage, _extra(chunks[-2])
+    else:
+        r = client.chat.completions.create(**kw)
+        content = [lp.model_dump() for lp in r.choices[0].logprobs.content]
+        out, usage, extra = r.choices[0].message.content, r.usage, _extra(r)
+    assert out == text and usage.completion_tokens == len(tokens)
+    assert len(content) == len(tokens) - (finish == "stop")  # every token but an end-of-turn one
+    assert content == expected
+    assert extra["specdraft"]["target_steps"] < len(tokens)  # drafted: several tokens a target pass
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] == c["logprob"] for c in content)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_logprobs_in_the_legacy_shape_are_plain_decodings(server, generation_runtime, name, stream):
+    tok = generation_runtime.tokenizer
+    ids = tok.encode("def main():")
+    plain = _plain_logprobs(generation_runtime, ids, 32, 3)
+    body = {"model": name, "prompt": "def main():", "max_tokens": 32, "logprobs": 3, "stream": stream}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        if stream:
+            chunks = [json.loads(ln.removeprefix("data: ")) for ln in _stream_lines(http, body)[:-1]]
+            parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+            got = {k: [v for p in parts for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                                 "text_offset")}
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+        else:
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            got, text = r.json()["choices"][0]["logprobs"], r.json()["choices"][0]["text"]
+    assert text == reference(generation_runtime, ids, 32)[0]
+    assert got == {"tokens": [e.text for e in plain], "token_logprobs": [e.logprob for e in plain],
+                   "top_logprobs": [{t: v for t, _, v in e.top} for e in plain],
+                   "text_offset": [e.offset for e in plain]}
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+])
+def test_logprobs_out_of_range_are_a_400(server, name, path, extra, param):
+    body = {"model": name, "max_tokens": 2, **extra, **(
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})}
+    r = _post(server, path, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # ------------------------------------------------------------------ what is refused, in OpenAI's error shape
 
 
@@ -176,9 +254,7 @@ def _refused(call, status: int, param: str | None, *words):
 
 
 @pytest.mark.parametrize("kw, param", [({"temperature": 0.7}, "temperature"), ({"top_p": 0.9}, "top_p"),
-                                       ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
-                                       ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
-                                       ({"frequency_penalty": 0.5}, "frequency_penalty"),
+                                       ({"n": 2}, "n"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
                                        ({"logit_bias": {"5": 3}}, "logit_bias")])
 def test_sampling_is_refused_naming_the_field(client, name, kw, param):
     _refused(lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],

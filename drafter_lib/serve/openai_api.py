@@ -91,7 +91,8 @@ def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name:
             else:
                 ids = completion_prompt_ids(runtime, request.single_prompt())
                 max_tokens = request.max_tokens
-            return TextGeneration(runtime, ids, max_tokens, state.generation_drafter, draft_tokens, request.stop)
+            return TextGeneration(runtime, ids, max_tokens, state.generation_drafter, draft_tokens, request.stop,
+                                  request.top_logprobs_asked)
         except GenerationInputError as e:
             param = e.param
             if chat and param == "prompt":
@@ -121,7 +122,7 @@ def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name:
                 return StreamingResponse(events(stream, generation, answer, include_usage, watcher),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             try:
-                text = "".join([delta.text async for delta in stream])
+                deltas = [delta async for delta in stream]
             except Overloaded as exc:
                 raise overloaded(exc) from None
             finally:
@@ -130,7 +131,9 @@ def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name:
                 state.metrics.observe_openai(CLIENT_CLOSED)
                 return Response(status_code=CLIENT_CLOSED)
             state.metrics.observe_openai(200)
-            return JSONResponse(answer.whole(text, generation.finish_reason, generation.stats))
+            logprobs = None if req.top_logprobs_asked is None else [e for d in deltas for e in d.logprobs]
+            return JSONResponse(answer.whole("".join(d.text for d in deltas), generation.finish_reason,
+                                             generation.stats, logprobs))
         except ApiError as e:
             state.metrics.observe_openai(e.status, e.code if e.status == 503 else None)
             return e.response()
@@ -162,8 +165,8 @@ async def events(stream, generation, answer: Answer, include_usage: bool, watche
         if (first := answer.first_chunk()) is not None:
             yield sse(first)
         async for delta in stream:
-            if delta.text:
-                yield sse(answer.text_chunk(delta.text))
+            if delta.text or delta.logprobs:
+                yield sse(answer.text_chunk(delta.text, delta.logprobs))
         yield sse(answer.last_chunk(generation.finish_reason, generation.stats))
         if include_usage:
             yield sse(answer.usage_chunk(generation.stats))

@@ -7,7 +7,9 @@ assistant turn's `content` may be null, `response_format` of type text and tools
 Types stay strict (no "16" for 16), so a mistake is a 400 naming the field rather than a silent default. Decoding
 is greedy only: a request that asks for anything else (temperature above 0, top_p below 1, several answers,
 penalties, biases), or for what cannot be honoured (images, JSON modes, a tool call), gets a 400 that says so,
-naming the field; `seed` and `user` are accepted and change nothing. Answers carry OpenAI's fields plus
+naming the field; `seed` and `user` are accepted and change nothing. `logprobs` (chat: with `top_logprobs`) are
+served in OpenAI's shapes: chat's `content` list, the text completion's legacy `tokens` / `token_logprobs` /
+`top_logprobs` / `text_offset`. Answers carry OpenAI's fields plus
 `specdraft`: the generation's target steps, mean acceptance length (tokens per target step, plain decoding = 1.0),
 draft tokens proposed and accepted.
 """
@@ -24,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, m
 
 from drafter_lib.serve.json_errors import openai_error
 
+MAX_TOP_LOGPROBS = 20  # decoding/text_generation.py's, spelled out so that parsing a request imports no torch
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the server's default cap)
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 TEMPLATE_ROLES = {"developer": "system"}  # OpenAI's newer name of the system role, for templates that know the old
@@ -127,7 +130,7 @@ class CompletionRequest(_GenerationRequest):
         Annotated[list[list[StrictInt]], Field(min_length=1)]
     max_tokens: int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
     best_of: int | None = Field(None, ge=1)
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # the legacy form: how many most likely tokens
     echo: bool = False
     suffix: str | None = None
 
@@ -140,12 +143,17 @@ class CompletionRequest(_GenerationRequest):
             p = p[0]
         return p
 
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """How many most likely tokens to list at each position; None: no log-probabilities."""
+        return self.logprobs
+
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=1)  # OpenAI's newer name of max_tokens; wins if both
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # tools the model may call: accepted only where no call can be needed (check_tools)
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -155,6 +163,11 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def answer_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        """How many most likely tokens to list at each position; None: no log-probabilities."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _absent_or(value):
@@ -167,8 +180,6 @@ GREEDY = {
     "top_p": (_absent_or(1), "1 or absent"),
     "n": (_absent_or(1), "1 or absent"),
     "best_of": (_absent_or(1), "1 or absent"),
-    "logprobs": (lambda v: v is None or v is False, "absent (no log-probabilities are returned)"),
-    "top_logprobs": (_absent_or(0), "0 or absent (no log-probabilities are returned)"),
     "presence_penalty": (_absent_or(0), "0 or absent"),
     "frequency_penalty": (_absent_or(0), "0 or absent"),
     "logit_bias": (lambda v: not v, "empty or absent"),
@@ -185,6 +196,8 @@ def check_greedy(request: _GenerationRequest) -> None:
                            name)
     if request.stream_options is not None and not request.stream:
         raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if isinstance(request, ChatCompletionRequest) and request.top_logprobs is not None and not request.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
 
 
 def check_served(request: _GenerationRequest) -> None:
@@ -304,25 +317,40 @@ class Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
                 **extra}
 
-    def whole(self, text: str, finish_reason: str, stats) -> dict:
+    def logprobs(self, entries: list | None) -> dict | None:
+        """text_generation.TokenLogprob entries in the endpoint's shape (None: not asked for)."""
+        if entries is None:
+            return None
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            return {"content": [{"token": e.text, "logprob": _finite(e.logprob), "bytes": list(e.bytes),
+                                 "top_logprobs": [{"token": t, "logprob": _finite(v), "bytes": list(b)}
+                                                  for t, b, v in e.top]} for e in entries], "refusal": None}
+        return {"tokens": [e.text for e in entries], "token_logprobs": [_finite(e.logprob) for e in entries],
+                "top_logprobs": [{t: _finite(v) for t, _, v in e.top} for e in entries],
+                "text_offset": [e.offset for e in entries]}
+
+    def whole(self, text: str, finish_reason: str, stats, logprobs: list | None = None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self.logprobs(logprobs), "finish_reason": finish_reason}
         return self._object("chat.completion" if self.chat else "text_completion", [choice], usage=usage(stats),
                             specdraft=acceptance(stats))
 
-    def _chunk(self, content: dict, finish_reason: str | None, **extra) -> dict:
+    def _chunk(self, content: dict, finish_reason: str | None, logprobs: list | None = None, **extra) -> dict:
         return self._object("chat.completion.chunk" if self.chat else "text_completion",
-                            [{"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}], **extra)
+                            [{"index": 0, **content, "logprobs": self.logprobs(logprobs),
+                              "finish_reason": finish_reason}], **extra)
 
     def first_chunk(self) -> dict | None:
         """A chat stream opens with the assistant's role (a text completion stream has no opening)."""
         return self._chunk({"delta": {"role": "assistant", "content": ""}}, None) if self.chat else None
 
-    def text_chunk(self, text: str) -> dict:
-        return self._chunk({"delta": {"content": text}} if self.chat else {"text": text}, None)
+    def text_chunk(self, text: str, logprobs: list | None = None) -> dict:
+        """The text of a step, and the log-probabilities of its tokens if asked (they need not align: text that
+        could become a stop string waits for a later chunk)."""
+        return self._chunk({"delta": {"content": text}} if self.chat else {"text": text}, None, logprobs)
 
     def last_chunk(self, finish_reason: str, stats) -> dict:
         return self._chunk({"delta": {}} if self.chat else {"text": ""}, finish_reason, specdraft=acceptance(stats))
@@ -330,6 +358,11 @@ class Answer:
     def usage_chunk(self, stats) -> dict:
         """stream_options.include_usage: a last chunk with no choices and the usage."""
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage=usage(stats))
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -Infinity: a token the target rules out gets OpenAI's floor, -9999."""
+    return max(logprob, -9999.0)
 
 
 def sse(data: Any) -> bytes:

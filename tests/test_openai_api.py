@@ -474,12 +474,13 @@ def _stream_lines(http, body):
 @pytest.mark.slow
 def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(generation_dirs, generation_runtime, name,
                                                                     tmp_path):
-    """MAX_QUEUE=1 and the target held at its first step (a gate file): one generation runs, one waits, the next is
-    refused at once with Retry-After; SIGTERM refuses new ones, lets both finish and then exits 0."""
+    """GENERATION_MAX_QUEUE=1 and the target held at its first step (a gate file): one generation runs, one waits
+    (longer than /draft's REQUEST_TIMEOUT_S, which does not bound it), the next is refused at once with
+    Retry-After; SIGTERM refuses new ones, lets both finish and then exits 0."""
     target_dir, drafter_dir = generation_dirs
     gate = tmp_path / "gate"
     srv = ServerProcess(drafter_dir, tmp_path / "server.log", code=GATED_SERVER, TARGET=target_dir,
-                        API_KEY=KEY, MAX_QUEUE=1, REQUEST_TIMEOUT_S=60,
+                        API_KEY=KEY, GENERATION_MAX_QUEUE=1, REQUEST_TIMEOUT_S=1, SHUTDOWN_TIMEOUT_S=60,
                         TEST_TARGET_GATE=gate)
     try:
         srv.wait_ready()
@@ -506,8 +507,10 @@ def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(generation_d
             wait_for("specdraft:generations_waiting", 1)
             full = http.post("/v1/completions", json={"model": name, "prompt": "Third", "max_tokens": 4})
             assert full.status_code == 503 and int(full.headers["retry-after"]) >= 1
-            assert full.json()["error"]["code"] == "queue_full" and "MAX_QUEUE=1" in full.json()["error"]["message"]
+            error = full.json()["error"]
+            assert error["code"] == "queue_full" and "GENERATION_MAX_QUEUE=1" in error["message"]
             assert _metric(http, 'specdraft:openai_requests_total{reason="queue_full",status="503"}') == 1
+            time.sleep(1.5)  # the second waits past REQUEST_TIMEOUT_S=1: a /draft bound, not a generation's
 
             srv.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 30
@@ -537,12 +540,13 @@ def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(generation_d
 
 @pytest.fixture(scope="module")
 def gated_server(generation_dirs, tmp_path_factory):
-    """A server whose target steps wait while its gate file exists, with a small default answer bound."""
+    """A server whose target steps wait while its gate file exists, with a small default answer bound and a short
+    wait for a generation to start."""
     target_dir, drafter_dir = generation_dirs
     tmp = tmp_path_factory.mktemp("gated")
     gate = tmp / "gate"
     srv = ServerProcess(drafter_dir, tmp / "server.log", code=GATED_SERVER, TARGET=target_dir, API_KEY=KEY,
-                        TEST_TARGET_GATE=gate, GENERATION_DEFAULT_MAX_TOKENS=7)
+                        TEST_TARGET_GATE=gate, GENERATION_DEFAULT_MAX_TOKENS=7, GENERATION_TIMEOUT_S=2)
     with srv:
         srv.gate = gate
         yield srv
@@ -640,13 +644,44 @@ def test_target_numerics_setting_is_the_runtimes(monkeypatch, generation_dirs):
     assert describe_errors(e.value) == ["TARGET_NUMERICS='int4': Input should be 'w8a8', 'w4a8' or 'fp32'"]
 
 
-def test_generation_default_max_tokens_setting(monkeypatch):
+def test_a_generation_not_started_within_generation_timeout_s_gets_a_503(gated_server, name):
+    srv = gated_server
+    results = {}
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
+        srv.gate.touch()
+        try:
+            first = threading.Thread(target=lambda: results.setdefault("first", http.post(
+                "/v1/completions", json={"model": name, "prompt": "First", "max_tokens": 4})))
+            first.start()
+            _wait_for(http, "specdraft:generations_running", 1, srv)
+            t0 = time.perf_counter()
+            late = http.post("/v1/completions", json={"model": name, "prompt": "Second", "max_tokens": 4})
+            waited = time.perf_counter() - t0
+        finally:
+            srv.gate.unlink(missing_ok=True)
+        first.join(60)
+    assert late.status_code == 503 and int(late.headers["retry-after"]) >= 1, late.text
+    error = late.json()["error"]
+    assert error["code"] == "timeout" and "GENERATION_TIMEOUT_S=2" in error["message"] and 2 <= waited < 10
+    assert results["first"].status_code == 200
+
+
+def test_generation_settings(monkeypatch):
     from pydantic import ValidationError
 
     from drafter_lib.serve.settings import Settings, describe_errors
 
-    monkeypatch.delenv("GENERATION_DEFAULT_MAX_TOKENS", raising=False)
-    assert Settings.from_env().generation_default_max_tokens == 2048
+    for var in ("GENERATION_DEFAULT_MAX_TOKENS", "GENERATION_MAX_QUEUE", "GENERATION_TIMEOUT_S"):
+        monkeypatch.delenv(var, raising=False)
+    defaults = Settings.from_env()
+    assert (defaults.generation_default_max_tokens, defaults.generation_max_queue,
+            defaults.generation_timeout_s) == (2048, 16, 300.0)
+    for var, bad in (("GENERATION_MAX_QUEUE", "0"), ("GENERATION_TIMEOUT_S", "0")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValidationError) as e:
+            Settings.from_env()
+        assert describe_errors(e.value)[0].startswith(f"{var}={bad!r}: ")
+        monkeypatch.delenv(var)
     monkeypatch.setenv("GENERATION_DEFAULT_MAX_TOKENS", "300")
     assert Settings.from_env().public()["generation_default_max_tokens"] == 300
     for bad in ("0", "many"):

@@ -284,11 +284,17 @@ class NativeTarget:
         self.cached_len = self.cache.lengths[0] = base + len(path)
 
     def _room(self, end: int) -> None:
-        """A cache that holds `end` tokens (row-exact attention reads whole ROW_BUCKETs: a multiple of one)."""
+        """A cache that holds `end` tokens (row-exact attention reads whole ROW_BUCKETs: a multiple of one). It
+        doubles to amortise the copy over many steps, but never past the model's context (rounded up to a
+        bucket), where no sequence goes."""
+        if self.cache is not None and end <= self.cache.capacity:
+            return
+        want = max(end, 256) if self.cache is None else max(end, 2 * self.cache.capacity)
+        want = max(end, min(want, int(self.model.config.max_position_embeddings)))
         if self.cache is None:
-            self.cache = self.model.new_cache(1, row_keys(max(end, 256) - 1))
-        elif end > self.cache.capacity:
-            self.cache.grow(row_keys(max(end, 2 * self.cache.capacity) - 1))  # amortise the copy over many steps
+            self.cache = self.model.new_cache(1, row_keys(want - 1))
+        else:
+            self.cache.grow(row_keys(want - 1))
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.cached_len:

@@ -21,7 +21,8 @@ signal stops at once. A model that fails to load stops the server with exit stat
 With a target (TARGET: a target spec or a Hugging Face folder), the target loads on the same thread after the
 drafter, and the app also serves OpenAI's /v1/models, /v1/completions and /v1/chat/completions (openai_api.py):
 the target's greedy answers, drafted by the drafter, one generation at a time on the engine thread, under the same
-bounds (MAX_QUEUE, REQUEST_TIMEOUT_S, the drain, API keys). Without one the server is the drafter alone.
+bounds of their own (GENERATION_MAX_QUEUE, GENERATION_TIMEOUT_S) and the server's (the drain, API keys). Without
+one the server is the drafter alone.
 
 Settings, authentication and the loopback rule: settings.py. Request ids and logs: logs.py. An unexpected error
 answers 500 with a generic message and the request id; the details go to the log.
@@ -284,7 +285,8 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
     state.metrics.bind(batcher, lambda: state.engine, lambda: state.draining)
     started = time.time()
     if runtime is not None or settings.target is not None:
-        state.generations = GenerationRunner(batcher.call_in_worker, settings.max_queue, settings.request_timeout_s,
+        state.generations = GenerationRunner(batcher.call_in_worker, settings.generation_max_queue,
+                                             settings.generation_timeout_s,
                                              lambda gen, reason: state.metrics.observe_generation(reason, gen.stats))
         state.metrics.bind_generations(state.generations)
 

@@ -6,9 +6,10 @@ run between its steps instead of after the whole answer; and its text goes into 
 reading a stream never holds the thread: the generation runs on, at the target's pace, and the client reads
 behind it.
 
-One generation runs at a time (the target has one KV cache). Waiting ones are bounded like /draft requests: at
-most `max_queue` wait (the next gets `Overloaded("queue_full")`, a 503), and one that has not started within
-`request_timeout_s` gets `Overloaded("timeout")`. Once started, a generation runs to its end (its `max_tokens`
+One generation runs at a time (the target has one KV cache). Waiting ones are bounded apart from /draft requests
+(an answer takes seconds to minutes, a draft milliseconds): at most `max_queue` wait (GENERATION_MAX_QUEUE; the
+next gets `Overloaded("queue_full")`, a 503), and one that has not started within `request_timeout_s`
+(GENERATION_TIMEOUT_S) gets `Overloaded("timeout")`. Once started, a generation runs to its end (its `max_tokens`
 bound it), unless its client goes away: then it stops after the current step.
 """
 from __future__ import annotations
@@ -75,13 +76,13 @@ class GenerationRunner:
 
     async def start(self, prepare: Callable[[], Iterable]) -> tuple[Iterable, GenerationStream]:
         """Admit a generation (a full queue: `Overloaded` at once), make it with `prepare()` on the engine thread (it
-        may raise: the request's own error), wait for the running one to end (`Overloaded` once REQUEST_TIMEOUT_S
+        may raise: the request's own error), wait for the running one to end (`Overloaded` once GENERATION_TIMEOUT_S
         has passed since admission), then run it in the background. Returns (generation, its stream)."""
         if self.closed:
             raise Overloaded("shutting_down", "server is shutting down", 1)
         if self.max_queue is not None and self.waiting >= self.max_queue:
             raise Overloaded("queue_full", f"server overloaded: {self.waiting} generations already queued "
-                                           f"(MAX_QUEUE={self.max_queue})", self.retry_after_s())
+                                           f"(GENERATION_MAX_QUEUE={self.max_queue})", self.retry_after_s())
         self.waiting += 1
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         try:
@@ -101,7 +102,7 @@ class GenerationRunner:
             return await asyncio.wait_for(awaitable, None if deadline is None else max(0.0, deadline -
                                                                                         time.monotonic()))
         except asyncio.TimeoutError:
-            raise Overloaded("timeout", f"generation not started within REQUEST_TIMEOUT_S="
+            raise Overloaded("timeout", f"generation not started within GENERATION_TIMEOUT_S="
                                         f"{self.request_timeout_s:g} s", self.retry_after_s()) from None
 
     async def _run(self, generation: Iterable, stream: GenerationStream) -> None:

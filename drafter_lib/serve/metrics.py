@@ -169,7 +169,7 @@ class _ServerState:
         g = self.generations
         if g is not None:
             yield GaugeMetricFamily(PREFIX + "generations_waiting", "Generations waiting for the one running "
-                                    "(bounded by MAX_QUEUE).", value=g.waiting)
+                                    "(bounded by GENERATION_MAX_QUEUE).", value=g.waiting)
             yield GaugeMetricFamily(PREFIX + "generations_running", "Generations running (at most 1).",
                                     value=g.running)
         engine = self.current_engine()

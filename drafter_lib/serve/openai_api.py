@@ -4,8 +4,8 @@ POST /v1/completions and POST /v1/chat/completions, streamed (server-sent events
 The target answers greedily with the drafter proposing its next tokens (decoding/text_generation.py), so the text is
 the target's own greedy answer and only the speed depends on the drafter. Everything that touches the target or its
 tokenizer runs on the engine thread: the prompt's tokenization here, the generation itself in generations.py, one
-target step per call. Requests and answers: openai_schema.py. The bounds are the server's: MAX_QUEUE generations
-wait (then 503 with Retry-After), one not started within REQUEST_TIMEOUT_S gets 503, a drain (SIGTERM) lets the
+target step per call. Requests and answers: openai_schema.py. The bounds: GENERATION_MAX_QUEUE generations
+wait (then 503 with Retry-After), one not started within GENERATION_TIMEOUT_S gets 503, a drain (SIGTERM) lets the
 running and queued ones finish and refuses new ones, and API keys apply as to every endpoint. A chat request
 without `max_tokens` gets GENERATION_DEFAULT_MAX_TOKENS at most. A client that hangs up, streamed or not, stops
 its generation after the target step running then (the connection is watched, not only written to).

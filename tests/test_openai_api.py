@@ -262,10 +262,11 @@ def test_sampling_is_refused_naming_the_field(client, name, kw, param):
              400, param, "only greedy decoding is served", param)
 
 
-def test_greedy_values_of_sampling_fields_are_served(client, name):
+def test_greedy_values_of_sampling_fields_are_served(client, generation_runtime, name):
     r = client.completions.create(model=name, prompt="x", max_tokens=3, temperature=0, top_p=1, n=1, seed=7,
-                                  presence_penalty=0, user="me")
-    assert r.usage.completion_tokens <= 3
+                                  presence_penalty=0, frequency_penalty=0, logit_bias={}, user="me")
+    text, tokens, finish = reference(generation_runtime, generation_runtime.tokenizer.encode("x"), 3)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (text, finish, len(tokens))
     _refused(lambda: client.completions.create(model=name, prompt="x", max_tokens=3, best_of=2), 400, "best_of",
              "only greedy decoding is served")
     _refused(lambda: client.completions.create(model=name, prompt="x", max_tokens=3, echo=True), 400, "echo")
@@ -607,6 +608,49 @@ def test_a_chat_answer_without_max_tokens_gets_the_servers_default_bound(gated_s
     r = _post(gated_server, "/v1/chat/completions", {"model": name, "messages": messages, "max_tokens": 9})
     assert r.json()["usage"]["completion_tokens"] == len(reference(
         generation_runtime, encode_chat(generation_runtime.tokenizer, messages), 9)[1])  # asked for: served
+
+
+@pytest.mark.slow
+def test_a_drain_past_its_bound_ends_the_generations_with_a_final_event(generation_dirs, name, tmp_path):
+    """SHUTDOWN_TIMEOUT_S=1 and the target held: the streamed generation gets a shutting_down error event and
+    [DONE], the one queued behind it a 503, both before uvicorn's own graceful timeout would cut them; exit 0."""
+    target_dir, drafter_dir = generation_dirs
+    gate = tmp_path / "gate"
+    srv = ServerProcess(drafter_dir, tmp_path / "server.log", code=GATED_SERVER, TARGET=target_dir, API_KEY=KEY,
+                        SHUTDOWN_TIMEOUT_S=1, TEST_TARGET_GATE=gate)
+    results = {}
+    try:
+        srv.wait_ready()
+        gate.touch()
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
+            def run(key, body):
+                if body.get("stream"):
+                    results[key] = _stream_lines(http, body)
+                else:
+                    results[key] = http.post("/v1/completions", json=body)
+                results[key + "_s"] = time.monotonic()
+
+            streamed = threading.Thread(target=run, args=("streamed", {"model": name, "prompt": "Long",
+                                                                       "max_tokens": 200, "stream": True}))
+            streamed.start()
+            _wait_for(http, "specdraft:generations_running", 1, srv)
+            queued = threading.Thread(target=run, args=("queued", {"model": name, "prompt": "Behind",
+                                                                   "max_tokens": 4}))
+            queued.start()
+            _wait_for(http, "specdraft:generations_waiting", 1, srv)
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            streamed.join(30)
+            queued.join(30)
+        gate.unlink()
+        assert srv.proc.wait(timeout=60) == 0, srv.log()
+    finally:
+        gate.unlink(missing_ok=True)
+        srv.stop()
+    events = [ln.removeprefix("data: ") for ln in results["streamed"]]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down", events
+    assert results["queued"].status_code == 503 and results["queued"].json()["error"]["code"] == "shutting_down"
+    assert results["streamed_s"] - t0 < 4 and results["queued_s"] - t0 < 4  # the bound, not uvicorn's 5 s more
 
 
 # ------------------------------------------------------------------ the settings

@@ -15,7 +15,8 @@ tree's first chain.
 Overload: at most MAX_QUEUE requests wait for a batch; the next ones get 503 with Retry-After at once, and a
 request not answered within REQUEST_TIMEOUT_S gets 503 too. Shutdown: SIGTERM (or SIGINT) starts a drain:
 requests already in flight are finished, new ones get 503 (Connection: close) and /health says "draining";
-once nothing is in flight, or after SHUTDOWN_TIMEOUT_S, the server stops and the process exits 0. A second
+once nothing is in flight, or after SHUTDOWN_TIMEOUT_S (then a generation still running or queued ends with a
+final shutting_down error, streamed or not), the server stops and the process exits 0. A second
 signal stops at once. A model that fails to load stops the server with exit status 1.
 
 With a target (TARGET: a target spec or a Hugging Face folder), the target loads on the same thread after the
@@ -502,6 +503,11 @@ def serve(app: FastAPI, settings: Settings) -> None:
         async def on_tick(self, counter: int) -> bool:
             st: ServeState = app.state.serve
             if st.load_error or (st.draining and (not st.busy or time.monotonic() > self.deadline)):
+                if st.generations is not None and not st.generations.closed:
+                    # past the bound: stop the generations here, while their connections are still served, so
+                    # that each stream's final event (shutting_down, then [DONE]) reaches its client before
+                    # uvicorn's own graceful timeout would cut it
+                    await st.generations.stop()
                 self.should_exit = True
             return await super().on_tick(counter)
 

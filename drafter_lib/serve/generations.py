@@ -63,6 +63,7 @@ class GenerationRunner:
         self.waiting = 0  # admitted, waiting for the running one to end
         self.running = 0  # 0 or 1
         self.closed = False
+        self._stopped = asyncio.Event()  # set by stop(): wakes the waiting requests
         self._slot = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
         self._mean_s = 0.0  # moving average of a generation's seconds (Retry-After)
@@ -90,6 +91,9 @@ class GenerationRunner:
             await self._before(deadline, self._slot.acquire())
         finally:
             self.waiting -= 1
+        if self.closed:  # stopped while this one waited: it does not start
+            self._slot.release()
+            raise Overloaded("shutting_down", "server is shutting down", 1)
         self.running += 1
         stream = GenerationStream()
         task = asyncio.create_task(self._run(generation, stream), name="generation")
@@ -98,12 +102,23 @@ class GenerationRunner:
         return generation, stream
 
     async def _before(self, deadline: float | None, awaitable):
+        """`awaitable`'s result, unless the deadline passes first (`Overloaded("timeout")`) or the runner stops
+        (`Overloaded("shutting_down")`: a waiting request is answered, not left to the server's exit)."""
+        work = asyncio.ensure_future(awaitable)
+        stopped = asyncio.ensure_future(self._stopped.wait())
         try:
-            return await asyncio.wait_for(awaitable, None if deadline is None else max(0.0, deadline -
-                                                                                        time.monotonic()))
-        except asyncio.TimeoutError:
-            raise Overloaded("timeout", f"generation not started within GENERATION_TIMEOUT_S="
-                                        f"{self.request_timeout_s:g} s", self.retry_after_s()) from None
+            await asyncio.wait({work, stopped}, timeout=None if deadline is None else max(
+                0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not work.done():
+                work.cancel()
+        if work.done() and not work.cancelled():
+            return work.result()
+        if self._stopped.is_set():
+            raise Overloaded("shutting_down", "server is shutting down", 1)
+        raise Overloaded("timeout", f"generation not started within GENERATION_TIMEOUT_S="
+                                    f"{self.request_timeout_s:g} s", self.retry_after_s())
 
     async def _run(self, generation: Iterable, stream: GenerationStream) -> None:
         t0, reason = time.perf_counter(), "error"
@@ -129,8 +144,9 @@ class GenerationRunner:
             self.on_finish(generation, reason)
 
     async def stop(self) -> None:
-        """Refuse new generations and stop the running one after its current step."""
+        """Refuse new generations, those waiting included, and stop the running one after its current step."""
         self.closed = True
+        self._stopped.set()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

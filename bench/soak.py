@@ -10,6 +10,13 @@ and every client also sends, a few % of the time, a malformed request (each kind
 with a JSON error) or a request it abandons (cancelled after it was sent, or cut off in the middle of its body).
 Token ids are random within the vocabulary, seeded; request sizes and thresholds vary.
 
+With --target (the server's TARGET: a target spec or a Hugging Face folder) every --generate-every-th client is a
+`generate` client instead: chat and text completions on /v1, streamed or not, with or without logprobs; a few % of
+its requests are bad bodies (a 4xx in OpenAI's error shape) or hung up on (a raw connection closed after the
+request, or a stream closed after its first event). A 200 must be whole (a finish reason; a stream's `[DONE]` and
+no error event), a 503 must carry Retry-After; a sample of the answers is re-sent alone after the load and must
+come back with the same text (greedy answers depend on nothing else).
+
 It reports: requests sent and answers by status; errors by kind (clean: 503 with Retry-After, 4xx for malformed
 bodies; unexpected: anything else, e.g. a 5xx, a transport error, a 4xx for a well-formed request, a malformed
 request answered 200); drafts equal to the same request sent alone (a sample of the soak's answers is re-sent one
@@ -19,6 +26,7 @@ bound, else 0.
 
   python bench/soak.py                                  # 10 minutes, 16 clients, on model/
   python bench/soak.py --duration 120 --clients 16 --json soak.json
+  python bench/soak.py --duration 600 --clients 200 --target smollm2-135m-instruct   # /draft and /v1 mixed
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from server_helpers import ServerProcess, proc_status_kib
 from bench.server import Stream, percentile
 
 KINDS = ("extend", "branch", "new")
+GENERATE = "generate"  # the /v1 client kind (--target)
 RSS_HEADROOM_MB = 300  # in-flight K/V of a decode group, activations, allocator slack
 MISMATCHES_SHOWN = 5
 
@@ -118,6 +127,8 @@ class Config:
     check: int  # size of the sample re-sent alone
     malformed: dict[str, bytes] = field(default_factory=dict)
     prefixes: list[list[int]] = field(default_factory=list)
+    target: str | None = None  # the served model's name on /v1, when the server has a target
+    generate_every: int = 0  # every n-th client is a generate client (0: none)
 
     @property
     def cases(self) -> list[str]:
@@ -141,6 +152,8 @@ class Soak:
     sample: list = field(default_factory=list)  # (body, draft, answer meta): reservoir of 200s
     offered: int = 0
     rss: list = field(default_factory=list)  # (seconds since start, MiB)
+    generations: Counter = field(default_factory=Counter)  # /v1 requests by how they went
+    generation_sample: list = field(default_factory=list)  # (path, body, text) of whole 200s, re-sent after
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def now(self) -> float:
@@ -275,7 +288,195 @@ async def cut_off_upload(rng: random.Random, soak: Soak, cfg: Config, data: byte
     soak.disconnects["cut_off_mid_body"] += 1
 
 
+# ---------------------------------------------------------------- /v1 traffic
+
+V1_MALFORMED = {  # name -> (path, body, status): what the server must refuse, in OpenAI's error shape
+    "no_messages": ("/v1/chat/completions", {"messages": []}, 400),
+    "sampling": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": 0.7}, 400),
+    "n_2": ("/v1/completions", {"prompt": "x", "n": 2}, 400),
+    "json_mode": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                           "response_format": {"type": "json_object"}}, 400),
+    "image": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, 400),
+    "string_max_tokens": ("/v1/completions", {"prompt": "x", "max_tokens": "16"}, 400),
+    "top_logprobs_21": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                                 "top_logprobs": 21}, 400),
+    "unknown_model": ("/v1/completions", {"model": "gpt-4o", "prompt": "x"}, 404),
+    "unknown_path": ("/v1/chat/completion", {"messages": []}, 404),
+}
+WORDS = ("the", "a", "river", "prime", "numbers", "explain", "why", "code", "list", "three", "cats", "sky")
+
+
+def generation_body(rng: random.Random, cfg: Config, chat: bool | None = None) -> tuple[str, dict]:
+    """A /v1 request: chat or text completion, streamed or not, sometimes with log-probabilities."""
+    chat = rng.random() < 0.5 if chat is None else chat
+    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 24)))
+    body = {"model": cfg.target, "max_tokens": rng.randint(4, 48), "stream": rng.random() < 0.5}
+    if rng.random() < 0.3:
+        top = rng.randint(0, 5)
+        body |= {"logprobs": True, "top_logprobs": top} if chat else {"logprobs": top}
+    if chat:
+        return "/v1/chat/completions", body | {"messages": [{"role": "user", "content": words}]}
+    return "/v1/completions", body | {"prompt": words}
+
+
+def openai_error_shape(r: httpx.Response) -> bool:
+    try:
+        err = r.json()["error"]
+        return isinstance(err, dict) and set(err) == {"message", "type", "param", "code"}
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+async def send_generation(http: httpx.AsyncClient, soak: Soak, cfg: Config, path: str, body: dict) -> None:
+    soak.sent["generation"] += 1
+    chat = "chat" in path
+    try:
+        if body["stream"]:
+            async with http.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    status, events = r.status_code, []
+                else:
+                    status = 200
+                    events = [ln.removeprefix("data: ") async for ln in r.aiter_lines() if ln]
+        else:
+            r = await http.post(path, json=body)
+            status, events = r.status_code, []
+    except httpx.TransportError as e:
+        soak.error(f"transport_{type(e).__name__}", f"{path}: {e!r}")
+        await asyncio.sleep(0.1)
+        return
+    soak.status[status] += 1
+    soak.by_kind.setdefault(GENERATE, Counter())[status] += 1
+    if status == 503:
+        if "retry-after" not in r.headers or not openai_error_shape(r):
+            soak.error("503_without_retry_after", r.text[:100])
+        soak.generations["503"] += 1
+        await asyncio.sleep(min(1.0, float(r.headers.get("retry-after", 1))))
+        return
+    if status != 200:
+        soak.error(f"v1_http_{status}", f"{path} {json.dumps(body)[:80]} -> {r.text[:160]}")
+        return
+    asked = "logprobs" in body
+    if body["stream"]:
+        chunks = [json.loads(e) for e in events[:-1]] if events and events[-1] == "[DONE]" else None
+        if not chunks or any("error" in c for c in chunks):
+            soak.error("v1_stream_broken", f"{path}: {str(events[-3:])[:200]}")
+            return
+        choices = [c["choices"][0] for c in chunks if c.get("choices")]
+        if not choices or choices[-1]["finish_reason"] not in ("stop", "length"):
+            soak.error("v1_stream_unfinished", f"{path}: {str(chunks[-1])[:160]}")
+            return
+        if asked and not any(ch.get("logprobs") for ch in choices):
+            soak.error("v1_no_logprobs", f"{path} stream")
+        soak.generations["streamed"] += 1
+        return
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"] if chat else choice["text"]
+    if choice["finish_reason"] not in ("stop", "length") or not isinstance(text, str) or (
+            asked and not choice.get("logprobs")):
+        soak.error("v1_answer_incomplete", f"{path}: {str(choice)[:160]}")
+        return
+    soak.generations["whole"] += 1
+    if len(soak.generation_sample) < cfg.check // 4:
+        soak.generation_sample.append((path, body, text))
+
+
+async def send_v1_malformed(http: httpx.AsyncClient, rng: random.Random, soak: Soak, cfg: Config) -> None:
+    case = rng.choice(sorted(V1_MALFORMED))
+    path, body, want = V1_MALFORMED[case]
+    soak.sent["malformed"] += 1
+    counts = soak.malformed.setdefault("v1_" + case, Counter())
+    counts["sent"] += 1
+    try:
+        r = await http.post(path, json={"model": cfg.target} | body)
+    except httpx.TransportError as e:
+        soak.error(f"transport_{type(e).__name__}", f"v1 malformed {case}: {e!r}")
+        return
+    soak.status[r.status_code] += 1
+    if r.status_code == want and openai_error_shape(r):
+        counts["answered_4xx"] += 1
+    elif r.status_code == 503:
+        counts["answered_503"] += 1
+    else:
+        soak.error("v1_malformed_not_refused", f"{case} -> {r.status_code} {r.text[:120]}")
+
+
+async def hang_up_on_generation(rng: random.Random, soak: Soak, cfg: Config) -> None:
+    """A client that leaves during its answer: the whole request on a raw connection, closed after a moment (a
+    whole answer) or after the stream's first bytes."""
+    path, body = generation_body(rng, cfg, chat=True)
+    del body["max_tokens"]  # as long as the server allows: GENERATION_DEFAULT_MAX_TOKENS, or the context's rest
+    soak.sent["disconnect"] += 1
+    if soak.first_disconnect_t is None:
+        soak.first_disconnect_t = soak.now()
+    host, port = httpx.URL(cfg.url).host, httpx.URL(cfg.url).port
+    data = json.dumps(body).encode()
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError as e:
+        soak.error(f"transport_{type(e).__name__}", f"connect for a hang-up: {e!r}")
+        return
+    writer.write((f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(data)}\r\n\r\n").encode() + data)
+    with suppress(OSError, asyncio.TimeoutError):
+        await writer.drain()
+        if body["stream"]:
+            await asyncio.wait_for(reader.read(1), timeout=cfg.timeout_s)
+        else:
+            await asyncio.sleep(rng.uniform(0.05, 0.5))
+    writer.close()
+    with suppress(OSError):
+        await writer.wait_closed()
+    soak.disconnects["hung_up_on_generation"] += 1
+
+
+async def generate_client(cid: int, http: httpx.AsyncClient, soak: Soak, cfg: Config) -> None:
+    rng = random.Random(cfg.seed * 1000 + cid)
+    n = 0
+    while time.perf_counter() < soak.deadline:
+        n += 1
+        u = rng.random()
+        if n == 2 or (n > 3 and u < cfg.malformed_p):
+            await send_v1_malformed(http, rng, soak, cfg)
+        elif n == 3 or (n > 3 and u < cfg.malformed_p + cfg.disconnect_p):
+            await hang_up_on_generation(rng, soak, cfg)
+        else:
+            await send_generation(http, soak, cfg, *generation_body(rng, cfg))
+
+
+async def replay_generations(cfg: Config, soak: Soak, max_s: float) -> dict:
+    """Each sampled whole answer asked again, alone: a greedy answer is the same whatever ran beside it."""
+    equal, checked, mismatches = 0, 0, []
+    stop = time.perf_counter() + max_s
+    async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s) as http:
+        for path, body, text in soak.generation_sample:
+            if time.perf_counter() > stop:
+                break
+            try:
+                r = await http.post(path, json=body)
+            except httpx.TransportError as e:
+                soak.error(f"transport_{type(e).__name__}", f"generation replay: {e!r}")
+                continue
+            if r.status_code != 200:
+                soak.error(f"replay_http_{r.status_code}", r.text[:120])
+                continue
+            choice = r.json()["choices"][0]
+            alone, checked = (choice["message"]["content"] if "chat" in path else choice["text"]), checked + 1
+            if alone == text:
+                equal += 1
+            else:
+                mismatches.append({"path": path, "body": body, "soak_text": text, "alone_text": alone})
+    return {"sampled": len(soak.generation_sample), "checked": checked, "equal": equal, "mismatches": mismatches}
+
+
+# ---------------------------------------------------------------- the clients
+
+
 async def client(cid: int, http: httpx.AsyncClient, soak: Soak, cfg: Config) -> None:
+    if cfg.generate_every and cid % cfg.generate_every == cfg.generate_every - 1:
+        return await generate_client(cid, http, soak, cfg)
     rng = random.Random(cfg.seed * 1000 + cid)
     kind = KINDS[cid % len(KINDS)]
     if kind == "extend":
@@ -414,6 +615,12 @@ def print_report(rep: dict) -> None:
               f"batch {m['batch_size']} cached {m['cached_prefix_len']}: soak {m['soak_draft']} alone "
               f"{m['alone_draft']}")
     growth = rss["growth_second_half_mib"]
+    gen = rep["generations"]
+    if gen.get("by_outcome") or gen.get("sampled"):
+        print(f"generations (/v1): {gen['by_outcome']}; answers equal to the same request alone: "
+              f"{gen.get('equal')}/{gen.get('checked')} (of {gen.get('sampled')} sampled)")
+        for m in gen.get("mismatches", [])[:MISMATCHES_SHOWN]:
+            print(f"  MISMATCH {m['path']}: soak {m['soak_text'][:60]!r} alone {m['alone_text'][:60]!r}")
     print(f"RSS: at ready {rss['at_ready_mib']:.0f} MiB; after warm-up ({rss['warmup_s']:.0f}s) "
           f"{rss['min_after_warmup_mib']}..{rss['max_after_warmup_mib']} MiB, the second half's peak "
           f"{'-' if growth is None else f'{growth:+.1f}'} MiB over the first's; bound {rss['bound_mib']:.0f} MiB "
@@ -423,7 +630,7 @@ def print_report(rep: dict) -> None:
 
 
 def build_report(soak: Soak, checked: dict, wall_s: float, buckets: list[dict], rss: dict, counters: dict,
-                 settings: dict) -> dict:
+                 settings: dict, generated: dict | None = None) -> dict:
     mal = soak.malformed.values()
     served_after = sum(1 for t, _ in soak.done if soak.first_disconnect_t is not None and t > soak.first_disconnect_t)
     rep = {
@@ -442,8 +649,11 @@ def build_report(soak: Soak, checked: dict, wall_s: float, buckets: list[dict], 
                    "unexpected": dict(soak.unexpected), "examples": soak.examples},
         "drafts": {**checked, "mismatches": checked["mismatches"][:50]},
         "buckets": buckets, "rss": rss, "server_counters": counters,
+        "generations": {"by_outcome": dict(soak.generations), **(generated or {})},
     }
     failures = []
+    if generated and generated["equal"] != generated["checked"]:
+        failures.append(f"{generated['checked'] - generated['equal']} answers differ from the same request alone")
     if soak.unexpected:
         failures.append(f"{sum(soak.unexpected.values())} unexpected errors")
     if checked["sampled"] and not checked["checked"]:
@@ -493,6 +703,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-cache-mb", type=float, help="the server's MAX_CACHE_MB (default: the server's default)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="another server setting (env var, e.g. MAX_QUEUE=8); repeatable")
+    ap.add_argument("--target", help="the server's TARGET (a target spec or a Hugging Face folder): adds /v1 "
+                    "generate clients")
+    ap.add_argument("--generate-every", type=int, default=4, help="with --target, every n-th client is a generate "
+                    "client (default 4)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", help="server log file (default: a temporary file; its tail is printed on failure)")
     ap.add_argument("--json", help="also write the report here")
@@ -503,6 +717,8 @@ def start_server(args, log_path: Path) -> ServerProcess:
     settings = dict(s.split("=", 1) for s in args.set)
     if args.max_cache_mb is not None:
         settings["MAX_CACHE_MB"] = args.max_cache_mb
+    if args.target is not None:
+        settings["TARGET"] = args.target
     env = dict(os.environ)
     env.pop("DEFAULT_MIN_CONFIDENCE", None)  # the soak checks the default contract: no threshold -> exactly k
     srv = ServerProcess(Path(args.model_dir), log_path, env=env, **settings)
@@ -560,8 +776,11 @@ def soak_server(srv: ServerProcess, args) -> dict:
                  malformed_p=args.malformed_p, disconnect_p=args.disconnect_p,
                  timeout_s=server["request_timeout_s"] + 30, seed=args.seed, check=args.check,
                  malformed=malformed_bodies(vocab, max_tokens),
-                 prefixes=[[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(4)])
-    kinds = Counter(KINDS[i % len(KINDS)] for i in range(args.clients))
+                 prefixes=[[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(4)],
+                 target=(info.get("target") or {}).get("name"),
+                 generate_every=args.generate_every if info.get("target") else 0)
+    kinds = Counter(GENERATE if cfg.generate_every and i % cfg.generate_every == cfg.generate_every - 1
+                    else KINDS[i % len(KINDS)] for i in range(args.clients))
     model = server.get("model_dir") or server.get("model") or args.model_dir
     print(f"server {srv.url}  model {model}  vocab {vocab}  max_context {info['max_context']}  "
           f"MAX_CACHE_MB {server['max_cache_mb']:.0f}  RSS at ready {ready_mib:.0f} MiB", flush=True)
@@ -574,6 +793,8 @@ def soak_server(srv: ServerProcess, args) -> dict:
     print(f"load done after {wall:.0f}s; re-sending {len(soak.sample)} sampled requests alone", flush=True)
     checked = (asyncio.run(replay(cfg, soak, args.check_max_s)) if srv.proc.poll() is None else
                {"sampled": len(soak.sample), "checked": 0, "equal": 0, "mismatches": [], "alone_p50_ms": None})
+    generated = (asyncio.run(replay_generations(cfg, soak, args.check_max_s)) if srv.proc.poll() is None else
+                 {"sampled": len(soak.generation_sample), "checked": 0, "equal": 0, "mismatches": []})
     alive = srv.proc.poll() is None
     counters = server_counters(srv.url) if alive else {}
     if alive and httpx.get(srv.url + "/health", timeout=30).status_code != 200:
@@ -583,7 +804,7 @@ def soak_server(srv: ServerProcess, args) -> dict:
                 "seed": args.seed, "model": model, "max_cache_mb": server["max_cache_mb"],
                 "vocab_size": vocab, "max_context": info["max_context"]}
     return build_report(soak, checked, wall, per_bucket(soak, args.bucket_s, args.duration),
-                        rss_summary(soak, warmup, ready_mib, bound, rule), counters, settings)
+                        rss_summary(soak, warmup, ready_mib, bound, rule), counters, settings, generated)
 
 
 if __name__ == "__main__":

@@ -48,13 +48,17 @@ def test_runner_runs_on_the_worker_without_waiting_for_the_reader_and_lets_other
             assert 0 < names.index("draft") < names.index("step 4")  # between steps, not after the answer
             assert {thread for _, thread in log} == {worker._thread.ident}
             # a reader that goes away stops the generation after its current step
+            def steps_run():
+                return sum(what.startswith("step") for what, _ in log)
+
             gen, stream = await runner.start(lambda: _Steps(1000, log, delay=0.005))
             async for _ in stream:
+                at_hang_up = steps_run()
                 stream.abandon()
                 break
             while not runner.idle:
                 await asyncio.sleep(0.01)
-            assert ended[-1] == "abandoned" and sum(what.startswith("step") for what, _ in log) < 5 + 1000
+            assert ended[-1] == "abandoned" and steps_run() - at_hang_up <= 1  # at most the step running then
         finally:
             await runner.stop()
             worker.shutdown()
@@ -89,6 +93,18 @@ def test_runner_bounds_its_queue_and_times_out():
             with pytest.raises(ValueError, match="bad prompt"):  # the request's own error, from its preparation
                 await runner.start(bad_prompt)
             assert runner.idle
+            # stopping answers the waiting ones at once, and a running one ends with the same error
+            _, running = await runner.start(lambda: _Steps(40, log, delay=0.02))
+            runner.request_timeout_s = 30
+            waiting = asyncio.create_task(runner.start(lambda: _Steps(1, log)))
+            await asyncio.sleep(0.05)
+            t0 = time.perf_counter()
+            await runner.stop()
+            with pytest.raises(Overloaded) as stopped:
+                await waiting
+            assert stopped.value.reason == "shutting_down" and time.perf_counter() - t0 < 1.0
+            with pytest.raises(Overloaded, match="stopped during the generation"):
+                [d async for d in running]
         finally:
             await runner.stop()
             worker.shutdown()

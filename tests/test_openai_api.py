@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import threading
 import time
 
@@ -160,6 +161,84 @@ def test_stop_strings_cut_the_text_and_count_the_tokens_up_to_them(client, gener
         assert out["usage"] == _usage(ids, tokens[:needed])
 
 
+# ------------------------------------------------------------------ log-probabilities
+
+
+def _plain_logprobs(runtime, ids, max_tokens: int, top: int) -> list:
+    """Plain decoding's (no drafter: one token per target pass) TokenLogprob entries."""
+    from drafter_lib.decoding.text_generation import TextGeneration
+
+    gen = TextGeneration(runtime, ids, max_tokens, None, top_logprobs=top)
+    return [e for d in gen for e in d.logprobs]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_chat_logprobs_are_plain_decodings_for_every_token(client, generation_runtime, name, stream):
+    """logprobs=True, top_logprobs=2 through the openai client: a log-probability for every token of the answer,
+    equal (exactly, as JSON carries a float) to plain decoding's though the answer was drafted."""
+    from drafter_lib.common.chat import encode_chat
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = encode_chat(generation_runtime.tokenizer, messages)
+    text, tokens, finish = reference(generation_runtime, ids, 40)
+    expected = [{"token": e.text, "logprob": e.logprob, "bytes": list(e.bytes),
+                 "top_logprobs": [{"token": t, "logprob": v, "bytes": list(b)} for t, b, v in e.top]}
+                for e in _plain_logprobs(generation_runtime, ids, 40, 2)]
+    kw = dict(model=name, messages=messages, max_tokens=40, logprobs=True, top_logprobs=2)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+        content = [lp.model_dump() for c in chunks if c.choices and c.choices[0].logprobs
+                   for lp in c.choices[0].logprobs.content]
+        out, usage, extra = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), \
+            chunks[-1].usage, _extra(chunks[-2])
+    else:
+        r = client.chat.completions.create(**kw)
+        content = [lp.model_dump() for lp in r.choices[0].logprobs.content]
+        out, usage, extra = r.choices[0].message.content, r.usage, _extra(r)
+    assert out == text and usage.completion_tokens == len(tokens)
+    assert len(content) == len(tokens) - (finish == "stop")  # every token but an end-of-turn one
+    assert content == expected
+    assert extra["specdraft"]["target_steps"] < len(tokens)  # drafted: several tokens a target pass
+    assert all(len(c["top_logprobs"]) == 2 and c["top_logprobs"][0]["logprob"] == c["logprob"] for c in content)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_completion_logprobs_in_the_legacy_shape_are_plain_decodings(server, generation_runtime, name, stream):
+    tok = generation_runtime.tokenizer
+    ids = tok.encode("def main():")
+    plain = _plain_logprobs(generation_runtime, ids, 32, 3)
+    body = {"model": name, "prompt": "def main():", "max_tokens": 32, "logprobs": 3, "stream": stream}
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        if stream:
+            chunks = [json.loads(ln.removeprefix("data: ")) for ln in _stream_lines(http, body)[:-1]]
+            parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+            got = {k: [v for p in parts for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                                 "text_offset")}
+            text = "".join(c["choices"][0]["text"] for c in chunks)
+        else:
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            got, text = r.json()["choices"][0]["logprobs"], r.json()["choices"][0]["text"]
+    assert text == reference(generation_runtime, ids, 32)[0]
+    assert got == {"tokens": [e.text for e in plain], "token_logprobs": [e.logprob for e in plain],
+                   "top_logprobs": [{t: v for t, _, v in e.top} for e in plain],
+                   "text_offset": [e.offset for e in plain]}
+
+
+@pytest.mark.parametrize("path, extra, param", [
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+])
+def test_logprobs_out_of_range_are_a_400(server, name, path, extra, param):
+    body = {"model": name, "max_tokens": 2, **extra, **(
+        {"messages": [{"role": "user", "content": "hi"}]} if "chat" in path else {"prompt": "hi"})}
+    r = _post(server, path, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 # ------------------------------------------------------------------ what is refused, in OpenAI's error shape
 
 
@@ -175,9 +254,7 @@ def _refused(call, status: int, param: str | None, *words):
 
 
 @pytest.mark.parametrize("kw, param", [({"temperature": 0.7}, "temperature"), ({"top_p": 0.9}, "top_p"),
-                                       ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"),
-                                       ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
-                                       ({"frequency_penalty": 0.5}, "frequency_penalty"),
+                                       ({"n": 2}, "n"), ({"frequency_penalty": 0.5}, "frequency_penalty"),
                                        ({"logit_bias": {"5": 3}}, "logit_bias")])
 def test_sampling_is_refused_naming_the_field(client, name, kw, param):
     _refused(lambda: client.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}],
@@ -185,10 +262,11 @@ def test_sampling_is_refused_naming_the_field(client, name, kw, param):
              400, param, "only greedy decoding is served", param)
 
 
-def test_greedy_values_of_sampling_fields_are_served(client, name):
+def test_greedy_values_of_sampling_fields_are_served(client, generation_runtime, name):
     r = client.completions.create(model=name, prompt="x", max_tokens=3, temperature=0, top_p=1, n=1, seed=7,
-                                  presence_penalty=0, user="me")
-    assert r.usage.completion_tokens <= 3
+                                  presence_penalty=0, frequency_penalty=0, logit_bias={}, user="me")
+    text, tokens, finish = reference(generation_runtime, generation_runtime.tokenizer.encode("x"), 3)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == (text, finish, len(tokens))
     _refused(lambda: client.completions.create(model=name, prompt="x", max_tokens=3, best_of=2), 400, "best_of",
              "only greedy decoding is served")
     _refused(lambda: client.completions.create(model=name, prompt="x", max_tokens=3, echo=True), 400, "echo")
@@ -213,8 +291,6 @@ def test_bad_requests_get_a_4xx_naming_the_problem(client, name):
     _refused(lambda: complete(model=name, prompt=[1, 10_000]), 400, "prompt", "vocabulary")
     _refused(lambda: complete(model=name, prompt=["a", "b"]), 400, "prompt", "batch of 2")
     _refused(lambda: complete(model=name, prompt=""), 400, "prompt", "empty")
-    _refused(lambda: complete(model=name, prompt="x", extra_body={"frobnicate": 1}), 400, "frobnicate",
-             "unrecognized")
     _refused(lambda: complete(model=name, prompt="x", stream=False, stream_options={"include_usage": True}), 400,
              "stream_options")
 
@@ -234,6 +310,122 @@ def test_keys_apply_to_the_v1_endpoints(server, name):
     with httpx.Client(base_url=server.url, timeout=60) as http:
         assert http.post("/v1/chat/completions", json={}).status_code == 401
         assert http.get("/health").status_code == 200
+
+
+# ------------------------------------------------------------------ read as OpenAI reads requests
+
+
+def _post(server, path: str, body: dict) -> httpx.Response:
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=120) as http:
+        return http.post(path, json=body)
+
+
+def test_requests_parse_as_openai_parses_them(server, generation_runtime, name):
+    """null meaning the default, a message's name, the developer role as the system one, an assistant turn without
+    content, a text response_format, tools offered with no call, unknown fields: all served, the answer the
+    target's own greedy text of the prompt they stand for."""
+    from drafter_lib.common.chat import encode_chat
+
+    tok = generation_runtime.tokenizer
+    messages = [{"role": "developer", "content": "Be terse.", "name": "ops"},
+                {"role": "user", "content": "Hi", "name": "ann", "weight": 1},
+                {"role": "assistant", "content": None, "refusal": None},
+                {"role": "user", "content": [{"type": "text", "text": "Again?", "cache_control": {}}]}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": name, "messages": messages, "max_tokens": 12, "stream": None, "stream_options": None,
+            "temperature": None, "top_p": None, "n": None, "stop": None, "seed": None, "user": None, "logprobs": None,
+            "response_format": {"type": "text"}, "tools": [tool], "tool_choice": "none",
+            "parallel_tool_calls": False, "metadata": {"k": "v"}, "store": False, "frobnicate": 1}
+    as_template = [{"role": "system", "content": "Be terse.", "name": "ops"},
+                   {"role": "user", "content": "Hi", "name": "ann"}, {"role": "assistant", "content": ""},
+                   {"role": "user", "content": "Again?"}]
+    text, tokens, finish = reference(generation_runtime, encode_chat(tok, as_template), 12)
+    for _ in range(2):
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (text, finish)
+        assert r.json()["usage"]["completion_tokens"] == len(tokens)
+    for extra in ({"tools": [], "tool_choice": None}, {"tool_choice": "auto"},
+                  {"functions": [], "function_call": None}):
+        r = _post(server, "/v1/chat/completions", {"model": name, "messages": messages[1:2], "max_tokens": 2,
+                                                   **extra})
+        assert r.status_code == 200, (extra, r.text)
+    # a completion: null max_tokens is OpenAI's default of 16, null stream a whole answer
+    r = _post(server, "/v1/completions", {"model": name, "prompt": "Once", "max_tokens": None, "stream": None,
+                                          "echo": None, "suffix": None, "best_of": None, "frobnicate": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference(
+        generation_runtime, tok.encode("Once"), 16)[0], r.text
+    log = server.log()
+    warned = [ln for ln in log.splitlines() if "ignoring the request field" in ln]
+    for field in ("'frobnicate'", "'metadata'", "'store'", "'parallel_tool_calls'", "'messages[].weight'",
+                  "'messages[].content[].cache_control'"):
+        assert sum(field in ln for ln in warned) == 1, (field, warned)  # once per name, however often sent
+    assert not any("'logprobs'" in ln or "'stream'" in ln for ln in warned)  # known fields are not "unknown"
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"response_format": {"type": "json_object"}}, "response_format", ["only text answers"]),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", ["json_schema"]),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", ["tool calls are not served"]),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools", ["none"]),
+    ({"tool_choice": "required"}, "tool_choice", ["tool calls are not served"]),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", []),
+    ({"functions": [{"name": "f"}]}, "functions", []),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                {"type": "image_url", "image_url": {"url": "data:,"}}]}]},
+     "messages[0].content[1].type", ["only text is served", "image_url"]),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", ["required"]),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text", ["required"]),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[1].tool_calls",
+     ["tool calls"]),
+    ({"messages": [{"role": "tool", "content": "4"}]}, "messages[0].role", ["developer"]),
+    ({"n": 2}, "n", ["only greedy decoding"]),
+    ({"temperature": 0.5}, "temperature", ["only greedy decoding"]),
+    ({"stream": "yes"}, "stream", ["boolean"]),
+    ({"model": None}, "model", ["required"]),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_the_field(server, name, extra, param, words):
+    body = {"model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **extra}
+    r = _post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    for w in words:
+        assert w in err["message"], (w, err)
+
+
+# ------------------------------------------------------------------ errors on every /v1 path and method
+
+
+def test_every_v1_path_and_method_answers_in_openai_shape_and_every_failure_is_counted(server, name):
+    errors = "specdraft:http_errors_total"
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        before = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in http.get("/metrics").text.splitlines()
+                  if ln.startswith(errors)}
+
+        def added(endpoint: str, status: int) -> float:
+            series = f'{errors}{{endpoint="{endpoint}",status="{status}"}}'
+            return _metric(http, series) - before.get(series, 0.0)
+
+        for method, path, status in [("GET", "/v1/nope", 404), ("POST", "/v1/chat/completion", 404),
+                                     ("GET", "/v1", 404), ("GET", "/v1/chat/completions", 405),
+                                     ("PUT", "/v1/completions", 405), ("DELETE", "/v1/models", 405)]:
+            r = http.request(method, path)
+            assert r.status_code == status, (method, path, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+            assert "POST /v1/chat/completions" in err["message"] and method in err["message"], err
+        assert http.get("/v1/chat/completions").headers["allow"] == "POST"
+        assert http.get("/nope").json() == {"detail": "Not Found"}  # outside /v1, FastAPI's own shape
+        assert http.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert http.post("/v1/completions", json={"model": name, "prompt": "x", "n": 2}).status_code == 400
+        assert http.post("/draft", json={"tokens": "x"}).status_code == 422
+        assert added("other", 404) == 4 and added("/v1/chat/completions", 405) == 2  # (the Allow check: 2)
+        assert added("/v1/completions", 405) == 1 and added("/v1/models", 405) == 1
+        assert added("/v1/models", 401) == 1 and added("/v1/completions", 400) == 1 and added("/draft", 422) == 1
+        assert added("/health", 200) == 0  # answers below 400 are not failures
 
 
 # ------------------------------------------------------------------ the rest of the server
@@ -283,12 +475,13 @@ def _stream_lines(http, body):
 @pytest.mark.slow
 def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(generation_dirs, generation_runtime, name,
                                                                     tmp_path):
-    """MAX_QUEUE=1 and the target held at its first step (a gate file): one generation runs, one waits, the next is
-    refused at once with Retry-After; SIGTERM refuses new ones, lets both finish and then exits 0."""
+    """GENERATION_MAX_QUEUE=1 and the target held at its first step (a gate file): one generation runs, one waits
+    (longer than /draft's REQUEST_TIMEOUT_S, which does not bound it), the next is refused at once with
+    Retry-After; SIGTERM refuses new ones, lets both finish and then exits 0."""
     target_dir, drafter_dir = generation_dirs
     gate = tmp_path / "gate"
     srv = ServerProcess(drafter_dir, tmp_path / "server.log", code=GATED_SERVER, TARGET=target_dir,
-                        API_KEY=KEY, MAX_QUEUE=1, REQUEST_TIMEOUT_S=60,
+                        API_KEY=KEY, GENERATION_MAX_QUEUE=1, REQUEST_TIMEOUT_S=1, SHUTDOWN_TIMEOUT_S=60,
                         TEST_TARGET_GATE=gate)
     try:
         srv.wait_ready()
@@ -315,8 +508,10 @@ def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(generation_d
             wait_for("specdraft:generations_waiting", 1)
             full = http.post("/v1/completions", json={"model": name, "prompt": "Third", "max_tokens": 4})
             assert full.status_code == 503 and int(full.headers["retry-after"]) >= 1
-            assert full.json()["error"]["code"] == "queue_full" and "MAX_QUEUE=1" in full.json()["error"]["message"]
+            error = full.json()["error"]
+            assert error["code"] == "queue_full" and "GENERATION_MAX_QUEUE=1" in error["message"]
             assert _metric(http, 'specdraft:openai_requests_total{reason="queue_full",status="503"}') == 1
+            time.sleep(1.5)  # the second waits past REQUEST_TIMEOUT_S=1: a /draft bound, not a generation's
 
             srv.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 30
@@ -339,6 +534,123 @@ def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(generation_d
     finally:
         gate.unlink(missing_ok=True)
         srv.stop()
+
+
+# ------------------------------------------------------------------ a client that hangs up
+
+
+@pytest.fixture(scope="module")
+def gated_server(generation_dirs, tmp_path_factory):
+    """A server whose target steps wait while its gate file exists, with a small default answer bound and a short
+    wait for a generation to start."""
+    target_dir, drafter_dir = generation_dirs
+    tmp = tmp_path_factory.mktemp("gated")
+    gate = tmp / "gate"
+    srv = ServerProcess(drafter_dir, tmp / "server.log", code=GATED_SERVER, TARGET=target_dir, API_KEY=KEY,
+                        TEST_TARGET_GATE=gate, GENERATION_DEFAULT_MAX_TOKENS=7, GENERATION_TIMEOUT_S=2)
+    with srv:
+        srv.gate = gate
+        yield srv
+    gate.unlink(missing_ok=True)
+
+
+def _wait_for(http, metric: str, value: float, srv) -> None:
+    deadline = time.monotonic() + 60
+    while _metric(http, metric) != value:
+        assert time.monotonic() < deadline, (metric, _metric(http, metric), srv.log())
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_client_that_hangs_up_stops_its_generation_within_one_target_step(gated_server, generation_runtime,
+                                                                           name, stream):
+    """The target is held at the generation's first step while the client (a raw socket) hangs up on a request for
+    the whole context; released, that step ends the generation: one target step in all, and the next request is
+    answered at once."""
+    srv = gated_server
+    steps, abandoned = "specdraft:generation_target_steps_total", \
+        'specdraft:generations_total{finish_reason="abandoned"}'
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
+        before_steps, before_abandoned = _metric(http, steps), _metric(http, abandoned)
+        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Talk at length."}],
+                           "max_tokens": CONTEXT - 40, "stream": stream}).encode()
+        srv.gate.touch()
+        try:
+            conn = socket.create_connection(("127.0.0.1", srv.port))
+            conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                         b"\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            _wait_for(http, "specdraft:generations_running", 1, srv)
+            conn.close()
+            time.sleep(1.0)  # the server reads the hang-up while the step is held
+        finally:
+            srv.gate.unlink(missing_ok=True)
+        _wait_for(http, abandoned, before_abandoned + 1, srv)
+        assert _metric(http, steps) - before_steps == 1  # the step running at the hang-up, and no other
+        assert _metric(http, "specdraft:generations_running") == 0
+        t0 = time.perf_counter()
+        r = http.post("/v1/completions", json={"model": name, "prompt": "Next", "max_tokens": 8})
+        assert r.status_code == 200 and time.perf_counter() - t0 < 3.0
+        assert r.json()["choices"][0]["text"] == reference(generation_runtime,
+                                                           generation_runtime.tokenizer.encode("Next"), 8)[0]
+
+
+def test_a_chat_answer_without_max_tokens_gets_the_servers_default_bound(gated_server, generation_runtime, name):
+    from drafter_lib.common.chat import encode_chat
+
+    messages = [{"role": "user", "content": "Say a lot."}]
+    text, tokens, finish = reference(generation_runtime, encode_chat(generation_runtime.tokenizer, messages), 7)
+    r = _post(gated_server, "/v1/chat/completions", {"model": name, "messages": messages})
+    assert r.status_code == 200, r.text
+    assert (r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"],
+            r.json()["usage"]["completion_tokens"]) == (text, finish, len(tokens))
+    assert len(tokens) == 7 or finish == "stop"
+    r = _post(gated_server, "/v1/chat/completions", {"model": name, "messages": messages, "max_tokens": 9})
+    assert r.json()["usage"]["completion_tokens"] == len(reference(
+        generation_runtime, encode_chat(generation_runtime.tokenizer, messages), 9)[1])  # asked for: served
+
+
+@pytest.mark.slow
+def test_a_drain_past_its_bound_ends_the_generations_with_a_final_event(generation_dirs, name, tmp_path):
+    """SHUTDOWN_TIMEOUT_S=1 and the target held: the streamed generation gets a shutting_down error event and
+    [DONE], the one queued behind it a 503, both before uvicorn's own graceful timeout would cut them; exit 0."""
+    target_dir, drafter_dir = generation_dirs
+    gate = tmp_path / "gate"
+    srv = ServerProcess(drafter_dir, tmp_path / "server.log", code=GATED_SERVER, TARGET=target_dir, API_KEY=KEY,
+                        SHUTDOWN_TIMEOUT_S=1, TEST_TARGET_GATE=gate)
+    results = {}
+    try:
+        srv.wait_ready()
+        gate.touch()
+        with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
+            def run(key, body):
+                if body.get("stream"):
+                    results[key] = _stream_lines(http, body)
+                else:
+                    results[key] = http.post("/v1/completions", json=body)
+                results[key + "_s"] = time.monotonic()
+
+            streamed = threading.Thread(target=run, args=("streamed", {"model": name, "prompt": "Long",
+                                                                       "max_tokens": 200, "stream": True}))
+            streamed.start()
+            _wait_for(http, "specdraft:generations_running", 1, srv)
+            queued = threading.Thread(target=run, args=("queued", {"model": name, "prompt": "Behind",
+                                                                   "max_tokens": 4}))
+            queued.start()
+            _wait_for(http, "specdraft:generations_waiting", 1, srv)
+            t0 = time.monotonic()
+            srv.proc.send_signal(signal.SIGTERM)
+            streamed.join(30)
+            queued.join(30)
+        gate.unlink()
+        assert srv.proc.wait(timeout=60) == 0, srv.log()
+    finally:
+        gate.unlink(missing_ok=True)
+        srv.stop()
+    events = [ln.removeprefix("data: ") for ln in results["streamed"]]
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down", events
+    assert results["queued"].status_code == 503 and results["queued"].json()["error"]["code"] == "shutting_down"
+    assert results["streamed_s"] - t0 < 4 and results["queued_s"] - t0 < 4  # the bound, not uvicorn's 5 s more
 
 
 # ------------------------------------------------------------------ the settings
@@ -373,4 +685,51 @@ def test_target_numerics_setting_is_the_runtimes(monkeypatch, generation_dirs):
     monkeypatch.setenv("TARGET_NUMERICS", "int4")
     with pytest.raises(ValidationError) as e:
         Settings.from_env()
-    assert describe_errors(e.value) == ["TARGET_NUMERICS='int4': Input should be 'w8a8', 'w4a8' or 'fp32'"]
+    assert describe_errors(e.value) == ["TARGET_NUMERICS='int4': Input should be 'w8a8', 'gguf', 'w4a8' or 'fp32'"]
+
+
+def test_a_generation_not_started_within_generation_timeout_s_gets_a_503(gated_server, name):
+    srv = gated_server
+    results = {}
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
+        srv.gate.touch()
+        try:
+            first = threading.Thread(target=lambda: results.setdefault("first", http.post(
+                "/v1/completions", json={"model": name, "prompt": "First", "max_tokens": 4})))
+            first.start()
+            _wait_for(http, "specdraft:generations_running", 1, srv)
+            t0 = time.perf_counter()
+            late = http.post("/v1/completions", json={"model": name, "prompt": "Second", "max_tokens": 4})
+            waited = time.perf_counter() - t0
+        finally:
+            srv.gate.unlink(missing_ok=True)
+        first.join(60)
+    assert late.status_code == 503 and int(late.headers["retry-after"]) >= 1, late.text
+    error = late.json()["error"]
+    assert error["code"] == "timeout" and "GENERATION_TIMEOUT_S=2" in error["message"] and 2 <= waited < 10
+    assert results["first"].status_code == 200
+
+
+def test_generation_settings(monkeypatch):
+    from pydantic import ValidationError
+
+    from drafter_lib.serve.settings import Settings, describe_errors
+
+    for var in ("GENERATION_DEFAULT_MAX_TOKENS", "GENERATION_MAX_QUEUE", "GENERATION_TIMEOUT_S"):
+        monkeypatch.delenv(var, raising=False)
+    defaults = Settings.from_env()
+    assert (defaults.generation_default_max_tokens, defaults.generation_max_queue,
+            defaults.generation_timeout_s) == (2048, 16, 300.0)
+    for var, bad in (("GENERATION_MAX_QUEUE", "0"), ("GENERATION_TIMEOUT_S", "0")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValidationError) as e:
+            Settings.from_env()
+        assert describe_errors(e.value)[0].startswith(f"{var}={bad!r}: ")
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("GENERATION_DEFAULT_MAX_TOKENS", "300")
+    assert Settings.from_env().public()["generation_default_max_tokens"] == 300
+    for bad in ("0", "many"):
+        monkeypatch.setenv("GENERATION_DEFAULT_MAX_TOKENS", bad)
+        with pytest.raises(ValidationError) as e:
+            Settings.from_env()
+        assert describe_errors(e.value)[0].startswith(f"GENERATION_DEFAULT_MAX_TOKENS={bad!r}: ")

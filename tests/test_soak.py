@@ -52,3 +52,24 @@ def test_short_soak_serves_cleanly_and_drafts_equal_requests_sent_alone(tmp_path
     assert rss["samples"] and rss["within_bound"] and rss["max_after_warmup_mib"] <= rss["bound_mib"]
     assert len(rep["buckets"]) == 2 and sum(b["served"] for b in rep["buckets"]) == req["served"]
     assert rep["server_counters"]["cache"]["evictions"] > 0
+
+
+def test_short_soak_with_a_target_mixes_generations_cleanly(generation_dirs, tmp_path, capsys):
+    """With --target half the clients generate on /v1 (streamed or not, logprobs sometimes, bad bodies, hang-ups)
+    beside /draft: no unexpected error, and the answers re-sent alone come back with the same text."""
+    target_dir, drafter_dir = generation_dirs
+    out = tmp_path / "soak.json"
+    code = load_soak().main(["--model-dir", str(drafter_dir), "--target", str(target_dir), "--duration", "15",
+                             "--clients", "4", "--generate-every", "2", "--bucket-s", "15", "--max-len", "200",
+                             "--check", "40", "--log", str(tmp_path / "server.log"), "--json", str(out)])
+    printed = capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    assert code == 0 and rep["ok"] and not rep["errors"]["unexpected"], printed
+    assert rep["settings"]["kinds"] == {"extend": 1, "new": 1, "generate": 2}
+    assert set(rep["requests"]["by_kind"]["generate"]) <= {"200", "503"}
+    gen = rep["generations"]
+    assert sum(gen["by_outcome"].get(k, 0) for k in ("whole", "streamed")) > 0
+    assert 0 < gen["checked"] == gen["equal"] and not gen["mismatches"]
+    assert any(case.startswith("v1_") for case in rep["malformed"]["by_case"])  # each generate client sent one
+    assert rep["malformed"]["answered_4xx"] + rep["malformed"]["answered_503"] == rep["malformed"]["sent"]
+    assert rep["disconnects"]["how"].get("hung_up_on_generation", 0) >= 1

@@ -186,6 +186,23 @@ def test_rollback(targets):
             target.rollback(target.cached_len + 1)
 
 
+def test_native_cache_grows_no_further_than_the_context():
+    """Doubling stops at the model's context (rounded up to a row bucket): a 300-token context holds 320 slots at
+    the end of a generation that fills it, not 512."""
+    from drafter_lib.model.transformer import row_keys
+
+    hf = tiny_hf_model(seed=0, max_position_embeddings=300)
+    target = NativeTarget(Transformer.from_hf(hf.config.to_dict(), hf.state_dict()))
+    prompt = _prompts()[1]
+    tokens = greedy_decode(target, prompt, 300 - len(prompt))
+    assert len(tokens) == 300 - len(prompt) and target.cached_len == 299
+    assert target.cache.capacity == row_keys(299) == 320
+    first = target.cache.capacity
+    target.reset()
+    greedy_decode(target, prompt, 8)
+    assert target.cache.capacity == first  # a new sequence reuses it
+
+
 def test_hf_target_keeps_grouped_kv_heads_in_the_kernel(targets, monkeypatch):
     """On CPU a verify step (several query tokens after a cache, so a mask) runs sdpa with the grouped K/V heads
     as they are, not copied `num_key_value_groups` times; the logits are those of the stock path, and the switch is

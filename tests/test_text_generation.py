@@ -192,3 +192,85 @@ def test_bounded_drafter_asks_no_more_than_the_drafters_context_holds(runtime):
     Engine.vocab_size = VOCAB + 1
     with pytest.raises(ValueError, match="vocabulary"):
         drafter_for(runtime, Engine())
+
+
+# ------------------------------------------------------------------ log-probabilities
+
+
+@pytest.fixture(scope="module")
+def w8a8_runtime():
+    """The tiny target in the server's default numerics (W8A8, row-exact)."""
+    from drafter_lib.decoding.runtime import runtime_from_model
+    from drafter_lib.model.transformer import Transformer
+
+    model, tokenizer = tiny_target_model()
+    return runtime_from_model(Transformer.from_hf_model(model), tokenizer, "tiny", numerics="w8a8")
+
+
+def _logprobs(runtime, ids, max_tokens, drafter, top, stop=None):
+    from drafter_lib.decoding.text_generation import TextGeneration
+
+    gen = TextGeneration(runtime, ids, max_tokens, drafter, k=8, stop=stop, top_logprobs=top)
+    deltas = list(gen)
+    return "".join(d.text for d in deltas), [e for d in deltas for e in d.logprobs], gen
+
+
+def test_logprobs_under_speculation_are_plain_decodings_bit_for_bit(w8a8_runtime):
+    """Every token's log-probability and the top alternatives at its position, from the verify pass's rows (drafted
+    tokens' and bonus tokens' alike), equal plain decoding's (one row per pass) exactly, whatever the drafter."""
+    import math
+
+    from drafter_lib.decoding.text_generation import completion_prompt_ids
+
+    rt, tok = w8a8_runtime, w8a8_runtime.tokenizer
+    ids = completion_prompt_ids(rt, "Once upon a time")
+    text, tokens, _ = reference(rt, ids, 48)
+    plain_text, plain, gen = _logprobs(rt, ids, 48, None, 5)
+    assert plain_text == text and gen.stats.target_steps == len(tokens)
+    stopped = tokens[-1] in rt.stop_ids
+    assert len(plain) == len(tokens) - stopped  # every token but an end-of-turn one
+    for drafter in (_oracle(ids, tokens), _oracle(ids, tokens, 3)):
+        out, entries, gen = _logprobs(rt, ids, 48, drafter, 5)
+        assert out == text and gen.stats.target_steps < len(tokens)  # several tokens per pass
+        assert entries == plain  # floats compared exactly
+    for e in plain:
+        assert len(e.bytes) == 1 and len(e.top) == 5  # a byte tokenizer: one byte a token
+        assert e.top[0][2] == e.logprob and e.top[0][1] == e.bytes  # greedy: the token is the most likely
+        assert [v for *_, v in e.top] == sorted((v for *_, v in e.top), reverse=True)
+        assert sum(math.exp(v) for *_, v in e.top) <= 1 + 1e-6
+    assert b"".join(e.bytes for e in plain).decode("utf-8", errors="replace") == text  # no special tokens here
+    assert [e.offset for e in plain] == [len(decoded(tok, tokens[:i])) for i in range(len(plain))]
+    # no alternatives asked: the token's own log-probability alone; a stop string: the tokens up to it
+    _, bare, _ = _logprobs(rt, ids, 48, _oracle(ids, tokens), 0)
+    assert [(e.text, e.logprob, e.top) for e in bare] == [(e.text, e.logprob, []) for e in plain]
+    stop, i = stop_string_in(text, start=len(text) // 3)
+    needed = next(n for n in range(1, len(tokens) + 1) if stop in decoded(tok, tokens[:n]))
+    assert _logprobs(rt, ids, 48, _oracle(ids, tokens), 1, stop=stop)[1] == [
+        dataclasses_replace_top(e, 1) for e in plain[:needed]]
+
+
+def dataclasses_replace_top(entry, n: int):
+    import dataclasses
+
+    return dataclasses.replace(entry, top=entry.top[:n])
+
+
+def test_token_text_is_the_tokens_own_bytes(runtime):
+    from drafter_lib.decoding.text_stream import TokenText
+
+    tok, names = runtime.tokenizer, TokenText(runtime.tokenizer)
+    ids = tok.encode("é☃ a")
+    assert [names.bytes(t) for t in ids] == [bytes([b]) for b in "é☃ a".encode()]  # pieces of characters too
+    assert [names.text(t) for t in ids][-2:] == [" ", "a"] and names.text(ids[0]) == "\ufffd"
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert (names.bytes(im_end), names.in_text(im_end), names.in_text(ids[-1])) == (b"<|im_end|>", b"", b"a")
+
+
+def test_logprobs_are_checked(w8a8_runtime):
+    from drafter_lib.decoding.text_generation import GenerationInputError, TextGeneration
+
+    for bad in (-1, 21):
+        with pytest.raises(GenerationInputError) as e:
+            TextGeneration(w8a8_runtime, [1, 2], 4, top_logprobs=bad)
+        assert e.value.param == "top_logprobs"
+    assert all(d.logprobs is None for d in TextGeneration(w8a8_runtime, [1, 2], 4))  # not asked: none computed

@@ -6,7 +6,13 @@ import pytest
 import torch
 from test_speculative import VOCAB, tiny_hf_model
 
-from drafter_lib.decoding.speculative import HFTarget, NativeTarget, greedy_decode, speculative_generate
+from drafter_lib.decoding.speculative import (
+    HFTarget,
+    NativeTarget,
+    greedy_decode,
+    speculative_generate,
+    speculative_stream,
+)
 from drafter_lib.decoding.tree import DraftTree, accept_tree, attention_mask, tree_accepted_length
 from drafter_lib.model.transformer import Transformer
 
@@ -105,3 +111,8 @@ def test_tree_decoding_equals_plain_greedy(targets, which):
         assert all(d <= 10 for d in out.draft_lengths)
         # after the run the cache holds exactly the sequence's tokens: one more plain step agrees with greedy
         assert target.cached_len == plen + 24 - 1
+        # each step's logits rows are the ones that chose its tokens: plain decoding's rows for the same positions
+        plain = torch.cat([step.logits for step in speculative_stream(target, prompt, 24)])
+        steps = list(speculative_stream(target, prompt, 24, Drafter(full), k=6, tree_budget=10))
+        assert [t for step in steps for t in step.tokens] == ref and max(len(step.tokens) for step in steps) > 1
+        torch.testing.assert_close(torch.cat([step.logits for step in steps]), plain, atol=1e-4, rtol=1e-4)

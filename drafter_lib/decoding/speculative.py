@@ -284,11 +284,17 @@ class NativeTarget:
         self.cached_len = self.cache.lengths[0] = base + len(path)
 
     def _room(self, end: int) -> None:
-        """A cache that holds `end` tokens (row-exact attention reads whole ROW_BUCKETs: a multiple of one)."""
+        """A cache that holds `end` tokens (row-exact attention reads whole ROW_BUCKETs: a multiple of one). It
+        doubles to amortise the copy over many steps, but never past the model's context (rounded up to a
+        bucket), where no sequence goes."""
+        if self.cache is not None and end <= self.cache.capacity:
+            return
+        want = max(end, 256) if self.cache is None else max(end, 2 * self.cache.capacity)
+        want = max(end, min(want, int(self.model.config.max_position_embeddings)))
         if self.cache is None:
-            self.cache = self.model.new_cache(1, row_keys(max(end, 256) - 1))
-        elif end > self.cache.capacity:
-            self.cache.grow(row_keys(max(end, 2 * self.cache.capacity) - 1))  # amortise the copy over many steps
+            self.cache = self.model.new_cache(1, row_keys(want - 1))
+        else:
+            self.cache.grow(row_keys(want - 1))
 
     def rollback(self, n: int) -> None:
         if not 0 <= n <= self.cached_len:
@@ -319,6 +325,9 @@ class SpecStep:
     drafted: int  # draft tokens proposed (a tree's nodes)
     draft_seconds: float = 0.0  # spent in the drafter
     verify_seconds: float = 0.0  # spent in the target (its pass, argmax and rollback)
+    # [len(tokens), V]: row i the target's logits that chose tokens[i] (the verify pass computes them whether the
+    # token was drafted or not): its log-probabilities, at no extra pass
+    logits: torch.Tensor | None = None
 
 
 @dataclass
@@ -399,6 +408,8 @@ def _steps(target: Target, seq: list[int], max_new_tokens: int, drafter, k: int,
             step = _chain_step(target, drafter, seq, n_draft)
         seq.extend(step.tokens)
         step.tokens = cut_at_stop(step.tokens, stop, max_new_tokens - made)
+        if step.logits is not None:
+            step.logits = step.logits[:len(step.tokens)]
         made += len(step.tokens)
         yield step
         if step.tokens[-1] in stop:
@@ -419,7 +430,7 @@ def _chain_step(target: Target, drafter, seq: list[int], n_draft: int) -> SpecSt
     n, bonus = accept_draft(draft, logits.argmax(-1).tolist())
     target.rollback(len(seq) + n)
     return SpecStep(draft[:n] + [bonus], accepted=n, drafted=len(draft), draft_seconds=tv - td,
-                    verify_seconds=time.perf_counter() - tv)
+                    verify_seconds=time.perf_counter() - tv, logits=logits[:n + 1])
 
 
 def _tree_step(target: Target, drafter, seq: list[int], budget: int, max_depth: int) -> SpecStep:
@@ -433,8 +444,10 @@ def _tree_step(target: Target, drafter, seq: list[int], budget: int, max_depth: 
     logits = target.score_tree(seq[target.cached_len:], tree)
     path, bonus = accept_tree(tree, logits.argmax(-1).tolist())
     target.commit_tree(len(seq), path)
+    # row 0 chose the path's first token, row i + 1 the token after node i
     return SpecStep([tree.tokens[i] for i in path] + [bonus], accepted=len(path), drafted=len(tree),
-                    draft_seconds=tv - td, verify_seconds=time.perf_counter() - tv)
+                    draft_seconds=tv - td, verify_seconds=time.perf_counter() - tv,
+                    logits=logits[[0] + [i + 1 for i in path]])
 
 
 def greedy_decode(target, prompt: Sequence[int], max_new_tokens: int, stop_ids: Iterable[int] = ()) -> list[int]:

@@ -5,6 +5,11 @@ user sees (tokens in and out, why it stopped, tokens per target step).
 per target step, the last one with its finish reason ("stop": a stop token or stop string; "length": `max_tokens`
 or the end of the context). Decoding is greedy, so the text is the target's own plain greedy answer, decoded
 (`text_stream.py`), whatever drafts the drafter proposes; only the speed depends on them.
+
+Asked for (`top_logprobs`), each delta also carries the log-probabilities of its step's tokens: the target's
+log-softmax at each token's position, from the verify pass's own logits (a drafted token's row as much as the
+bonus token's), so they equal plain decoding's bit for bit wherever the target's rows do not depend on the other
+rows of their pass (the runtime's row-exact numerics), with the `top_logprobs` most likely tokens there.
 """
 from __future__ import annotations
 
@@ -16,7 +21,9 @@ from drafter_lib.common.chat import encode_chat
 from drafter_lib.common.checks import check_token_ids
 from drafter_lib.decoding.runtime import TargetRuntime
 from drafter_lib.decoding.speculative import mean_acceptance_length, speculative_stream
-from drafter_lib.decoding.text_stream import TextStream, check_stop_strings
+from drafter_lib.decoding.text_stream import TextStream, TokenText, check_stop_strings
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API
 
 
 class GenerationInputError(ValueError):
@@ -47,9 +54,23 @@ class GenerationStats:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token under the target: its text and bytes on its own (text_stream.TokenText), its
+    log-probability, the characters of the answer before it, and the most likely tokens at its position (most
+    likely first) as (text, bytes, log-probability)."""
+    text: str
+    bytes: bytes
+    logprob: float
+    offset: int
+    top: list[tuple[str, bytes, float]]
+
+
+@dataclass
 class TextDelta:
     text: str  # text that became final with this step ("" while a character or a possible stop string is open)
     finish_reason: str | None = None  # set on the last delta only
+    # asked for: one per token of this step, the one that ended the answer (an end-of-turn token) excepted
+    logprobs: list[TokenLogprob] | None = None
 
 
 def completion_prompt_ids(runtime: TargetRuntime, prompt: str | Sequence[int]) -> list[int]:
@@ -105,10 +126,12 @@ def drafter_for(runtime: TargetRuntime, engine, min_confidence: float | None = N
 class TextGeneration:
     """One greedy generation of `runtime` after `prompt` (token ids): iterate it for `TextDelta`s, one per target
     step; `stats` counts as it goes and `finish_reason` is set at the end. At most `max_tokens` new tokens (None: up
-    to the end of the context); `stop`: up to 4 strings, the text ends before the first one that appears."""
+    to the end of the context); `stop`: up to 4 strings, the text ends before the first one that appears;
+    `top_logprobs` (0..20; None: none): each delta's tokens' log-probabilities, with that many most likely tokens
+    at each position."""
 
     def __init__(self, runtime: TargetRuntime, prompt: Sequence[int], max_tokens: int | None = None, drafter=None,
-                 k: int = 16, stop: str | Sequence[str] | None = None):
+                 k: int = 16, stop: str | Sequence[str] | None = None, top_logprobs: int | None = None):
         self.runtime, self.prompt, self.drafter, self.k = runtime, list(prompt), drafter, k
         room = runtime.context_length - len(self.prompt)
         if not self.prompt:
@@ -128,6 +151,10 @@ class TextGeneration:
             self.stop = check_stop_strings(stop)
         except ValueError as e:
             raise GenerationInputError(str(e), "stop") from None
+        if top_logprobs is not None and not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+            raise GenerationInputError(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {top_logprobs}",
+                                       "top_logprobs")
+        self.top_logprobs = top_logprobs
         self.stats = GenerationStats(prompt_tokens=len(self.prompt))
         self.finish_reason: str | None = None
 
@@ -135,29 +162,50 @@ class TextGeneration:
         stop_ids = set(self.runtime.stop_ids)
         text = TextStream(self.runtime.tokenizer, self.stop)
         stats, t0 = self.stats, time.perf_counter()
+        scored = self._scorer() if self.top_logprobs is not None else None
         for step in speculative_stream(self.runtime.target, self.prompt, self.max_tokens, self.drafter, self.k,
                                        stop_ids):
             stats.target_steps += 1
             stats.draft_tokens += step.drafted
             stats.accepted_tokens += step.accepted
-            parts = []
-            for token in step.tokens:
+            parts, logprobs = [], None if scored is None else []
+            for i, token in enumerate(step.tokens):
                 stats.completion_tokens += 1
                 if token in stop_ids:  # the end of the answer: its text is not part of it
                     parts.append(text.finish())
                     self.finish_reason = "stop"
                     break
+                if scored is not None:
+                    logprobs.append(scored(token, step.logits[i]))
                 parts.append(text.push(token))
                 if text.stopped:
                     self.finish_reason = "stop"
                     break
             stats.seconds = time.perf_counter() - t0
             if self.finish_reason:
-                yield TextDelta("".join(parts), self.finish_reason)
+                yield TextDelta("".join(parts), self.finish_reason, logprobs)
                 return
-            yield TextDelta("".join(parts))
+            yield TextDelta("".join(parts), logprobs=logprobs)
         self.finish_reason = "length"
-        yield TextDelta(text.finish(), self.finish_reason)
+        yield TextDelta(text.finish(), self.finish_reason, [] if scored is not None else None)
+
+    def _scorer(self):
+        """token, the logits row that chose it -> its TokenLogprob. Each row is normalised alone, so a row's
+        log-probabilities do not depend on how many rows its pass had."""
+        import torch
+
+        names, top_n, answer = TokenText(self.runtime.tokenizer), self.top_logprobs, bytearray()
+
+        def scored(token: int, logits) -> TokenLogprob:
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            values, ids = torch.topk(logprobs, top_n) if top_n else (logprobs[:0], logprobs[:0].long())
+            offset = len(answer.decode("utf-8", errors="replace"))  # the answer's characters before this token
+            answer.extend(names.in_text(token))
+            return TokenLogprob(names.text(token), names.bytes(token), float(logprobs[token]), offset,
+                                [(names.text(t), names.bytes(t), float(v)) for t, v in zip(ids.tolist(),
+                                                                                            values.tolist())])
+
+        return scored
 
     def text(self) -> str:
         """Run to the end; the whole text."""

@@ -9,13 +9,19 @@ that ends inside a multi-byte character waits for the next token. Special tokens
 Stop strings are matched on the text, across token boundaries: text that could still be the start of a stop
 string is held back until it is not (or the stream ends), so nothing before a stop string is released twice and
 nothing from it is released at all.
+
+`TokenText` says what one token stands for on its own (the log-probabilities of an answer list tokens one by one):
+its bytes, a piece of a character included, and those bytes as text.
 """
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Sequence
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 INCOMPLETE = "\ufffd"  # what a decoder gives for the bytes of a character not yet complete
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback pieces
 
 
 def check_stop_strings(stop: str | Sequence[str] | None) -> list[str]:
@@ -82,3 +88,48 @@ class TextStream:
                    default=0)  # the longest end of the text that a stop string starts with
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep]
+
+
+class TokenText:
+    """What a token of `tokenizer` stands for on its own: `bytes(id)` are its bytes (a byte-level BPE piece's bytes,
+    a byte-fallback piece's byte, else its decoded text's UTF-8; a special token: its name, which the answer's text
+    leaves out), `text(id)` those bytes as text (a piece of a character as U+FFFD) and `in_text(id)` the bytes it
+    adds to the answer's text (none for a special token)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.special = {int(i) for i in getattr(tokenizer, "all_special_ids", ())}
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_of = _byte_level_chars() if type(decoder).__name__ == "ByteLevel" else None
+        self._known: dict[int, bytes] = {}
+
+    def bytes(self, token_id: int) -> bytes:
+        token_id = int(token_id)
+        if token_id not in self._known:
+            self._known[token_id] = self._bytes(token_id)
+        return self._known[token_id]
+
+    def _bytes(self, token_id: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if token_id in self.special:
+            return str(piece).encode()
+        if (m := BYTE_PIECE.fullmatch(str(piece))) is not None:
+            return bytes([int(m[1], 16)])
+        if self.byte_of is not None and all(c in self.byte_of for c in piece):
+            return bytes(self.byte_of[c] for c in piece)
+        return self.tokenizer.decode([token_id], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False).encode()
+
+    def text(self, token_id: int) -> str:
+        return self.bytes(token_id).decode("utf-8", errors="replace")
+
+    def in_text(self, token_id: int) -> bytes:
+        return b"" if int(token_id) in self.special else self.bytes(token_id)
+
+
+@functools.cache
+def _byte_level_chars() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in of each byte (GPT-2's table), inverted: character -> byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}

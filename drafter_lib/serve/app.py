@@ -15,13 +15,15 @@ tree's first chain.
 Overload: at most MAX_QUEUE requests wait for a batch; the next ones get 503 with Retry-After at once, and a
 request not answered within REQUEST_TIMEOUT_S gets 503 too. Shutdown: SIGTERM (or SIGINT) starts a drain:
 requests already in flight are finished, new ones get 503 (Connection: close) and /health says "draining";
-once nothing is in flight, or after SHUTDOWN_TIMEOUT_S, the server stops and the process exits 0. A second
+once nothing is in flight, or after SHUTDOWN_TIMEOUT_S (then a generation still running or queued ends with a
+final shutting_down error, streamed or not), the server stops and the process exits 0. A second
 signal stops at once. A model that fails to load stops the server with exit status 1.
 
 With a target (TARGET: a target spec or a Hugging Face folder), the target loads on the same thread after the
 drafter, and the app also serves OpenAI's /v1/models, /v1/completions and /v1/chat/completions (openai_api.py):
 the target's greedy answers, drafted by the drafter, one generation at a time on the engine thread, under the same
-bounds (MAX_QUEUE, REQUEST_TIMEOUT_S, the drain, API keys). Without one the server is the drafter alone.
+bounds of their own (GENERATION_MAX_QUEUE, GENERATION_TIMEOUT_S) and the server's (the drain, API keys). Without
+one the server is the drafter alone.
 
 Settings, authentication and the loopback rule: settings.py. Request ids and logs: logs.py. An unexpected error
 answers 500 with a generic message and the request id; the details go to the log.
@@ -38,15 +40,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException
 
 from drafter_lib.common.checks import check_token_ids
 from drafter_lib.common.files import to_jsonable
 from drafter_lib.serve.auth import BearerAuth
 from drafter_lib.serve.batching import EngineThread, MicroBatcher, Overloaded
 from drafter_lib.serve.generations import GenerationRunner
-from drafter_lib.serve.json_errors import send_json_error
+from drafter_lib.serve.json_errors import error_body, is_openai_path, send_json_error
 from drafter_lib.serve.logs import RequestIds, configure_logging
 from drafter_lib.serve.metrics import Metrics
 from drafter_lib.serve.openai_api import add_openai_routes
@@ -282,7 +286,8 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
     state.metrics.bind(batcher, lambda: state.engine, lambda: state.draining)
     started = time.time()
     if runtime is not None or settings.target is not None:
-        state.generations = GenerationRunner(batcher.call_in_worker, settings.max_queue, settings.request_timeout_s,
+        state.generations = GenerationRunner(batcher.call_in_worker, settings.generation_max_queue,
+                                             settings.generation_timeout_s,
                                              lambda gen, reason: state.metrics.observe_generation(reason, gen.stats))
         state.metrics.bind_generations(state.generations)
 
@@ -302,7 +307,25 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
     # the last added runs first: request id, then the key, then the body bound
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(BearerAuth, keys=settings.api_keys())
-    app.add_middleware(RequestIds)
+    app.add_middleware(RequestIds, on_response=state.metrics.observe_http)
+
+    @app.exception_handler(HTTPException)
+    async def routing_error(request: Request, exc: HTTPException):
+        """An unknown path (404) or a wrong method (405): under /v1 in OpenAI's error shape, elsewhere FastAPI's."""
+        path = request.url.path
+        if not is_openai_path(path):
+            return await http_exception_handler(request, exc)
+        served = ", ".join(f"{m} {r.path}" for r in app.routes if is_openai_path(getattr(r, "path", ""))
+                           for m in sorted(set(getattr(r, "methods", None) or ()) - {"HEAD"})) or \
+            "nothing: the /v1 endpoints need a target (TARGET)"
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {path}): this server serves {served}"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {path}: this server serves {served}"
+        else:
+            message = str(exc.detail)
+        return JSONResponse(status_code=exc.status_code, content=error_body(exc.status_code, message, path),
+                            headers=exc.headers)
 
     def openapi():
         if app.openapi_schema is None:
@@ -312,7 +335,7 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
     app.openapi = openapi
     if state.generations is not None:
         add_openai_routes(app, state, state.generations, settings.target_name if runtime is None else runtime.name,
-                          int(started), DEFAULT_DRAFT_TOKENS)
+                          int(started), DEFAULT_DRAFT_TOKENS, settings.generation_default_max_tokens)
 
     def unavailable(exc: Overloaded, t0: float) -> JSONResponse:
         state.metrics.observe(503, time.perf_counter() - t0, exc.reason)
@@ -445,6 +468,7 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
             },
         }
 
+    state.metrics.bind_endpoints(getattr(r, "path", None) for r in app.routes)
     return app
 
 
@@ -479,6 +503,11 @@ def serve(app: FastAPI, settings: Settings) -> None:
         async def on_tick(self, counter: int) -> bool:
             st: ServeState = app.state.serve
             if st.load_error or (st.draining and (not st.busy or time.monotonic() > self.deadline)):
+                if st.generations is not None and not st.generations.closed:
+                    # past the bound: stop the generations here, while their connections are still served, so
+                    # that each stream's final event (shutting_down, then [DONE]) reaches its client before
+                    # uvicorn's own graceful timeout would cut it
+                    await st.generations.stop()
                 self.should_exit = True
             return await super().on_tick(counter)
 

@@ -65,7 +65,7 @@ def read_messages(path: Path) -> list[dict]:
     """Chat messages from a JSON file (a list, or an object with "messages"), checked as the server checks them."""
     from pydantic import TypeAdapter, ValidationError
 
-    from drafter_lib.serve.openai_schema import ChatMessage, describe_error
+    from drafter_lib.serve.openai_schema import ApiError, ChatMessage, check_messages, describe_error
 
     try:
         data = json.loads(path.read_text())
@@ -81,6 +81,10 @@ def read_messages(path: Path) -> list[dict]:
         raise ValueError(f"--messages: {path}: messages{describe_error(e.errors(include_url=False)[0])}") from None
     if not messages:
         raise ValueError(f"--messages: {path} holds no messages")
+    try:
+        check_messages(messages)
+    except ApiError as e:
+        raise ValueError(f"--messages: {path}: {e}") from None
     return [m.as_template_input() for m in messages]
 
 

@@ -6,9 +6,10 @@ run between its steps instead of after the whole answer; and its text goes into 
 reading a stream never holds the thread: the generation runs on, at the target's pace, and the client reads
 behind it.
 
-One generation runs at a time (the target has one KV cache). Waiting ones are bounded like /draft requests: at
-most `max_queue` wait (the next gets `Overloaded("queue_full")`, a 503), and one that has not started within
-`request_timeout_s` gets `Overloaded("timeout")`. Once started, a generation runs to its end (its `max_tokens`
+One generation runs at a time (the target has one KV cache). Waiting ones are bounded apart from /draft requests
+(an answer takes seconds to minutes, a draft milliseconds): at most `max_queue` wait (GENERATION_MAX_QUEUE; the
+next gets `Overloaded("queue_full")`, a 503), and one that has not started within `request_timeout_s`
+(GENERATION_TIMEOUT_S) gets `Overloaded("timeout")`. Once started, a generation runs to its end (its `max_tokens`
 bound it), unless its client goes away: then it stops after the current step.
 """
 from __future__ import annotations
@@ -62,6 +63,7 @@ class GenerationRunner:
         self.waiting = 0  # admitted, waiting for the running one to end
         self.running = 0  # 0 or 1
         self.closed = False
+        self._stopped = asyncio.Event()  # set by stop(): wakes the waiting requests
         self._slot = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()  # strong references: the loop keeps only weak ones
         self._mean_s = 0.0  # moving average of a generation's seconds (Retry-After)
@@ -75,13 +77,13 @@ class GenerationRunner:
 
     async def start(self, prepare: Callable[[], Iterable]) -> tuple[Iterable, GenerationStream]:
         """Admit a generation (a full queue: `Overloaded` at once), make it with `prepare()` on the engine thread (it
-        may raise: the request's own error), wait for the running one to end (`Overloaded` once REQUEST_TIMEOUT_S
+        may raise: the request's own error), wait for the running one to end (`Overloaded` once GENERATION_TIMEOUT_S
         has passed since admission), then run it in the background. Returns (generation, its stream)."""
         if self.closed:
             raise Overloaded("shutting_down", "server is shutting down", 1)
         if self.max_queue is not None and self.waiting >= self.max_queue:
             raise Overloaded("queue_full", f"server overloaded: {self.waiting} generations already queued "
-                                           f"(MAX_QUEUE={self.max_queue})", self.retry_after_s())
+                                           f"(GENERATION_MAX_QUEUE={self.max_queue})", self.retry_after_s())
         self.waiting += 1
         deadline = None if self.request_timeout_s is None else time.monotonic() + self.request_timeout_s
         try:
@@ -89,6 +91,9 @@ class GenerationRunner:
             await self._before(deadline, self._slot.acquire())
         finally:
             self.waiting -= 1
+        if self.closed:  # stopped while this one waited: it does not start
+            self._slot.release()
+            raise Overloaded("shutting_down", "server is shutting down", 1)
         self.running += 1
         stream = GenerationStream()
         task = asyncio.create_task(self._run(generation, stream), name="generation")
@@ -97,12 +102,23 @@ class GenerationRunner:
         return generation, stream
 
     async def _before(self, deadline: float | None, awaitable):
+        """`awaitable`'s result, unless the deadline passes first (`Overloaded("timeout")`) or the runner stops
+        (`Overloaded("shutting_down")`: a waiting request is answered, not left to the server's exit)."""
+        work = asyncio.ensure_future(awaitable)
+        stopped = asyncio.ensure_future(self._stopped.wait())
         try:
-            return await asyncio.wait_for(awaitable, None if deadline is None else max(0.0, deadline -
-                                                                                        time.monotonic()))
-        except asyncio.TimeoutError:
-            raise Overloaded("timeout", f"generation not started within REQUEST_TIMEOUT_S="
-                                        f"{self.request_timeout_s:g} s", self.retry_after_s()) from None
+            await asyncio.wait({work, stopped}, timeout=None if deadline is None else max(
+                0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not work.done():
+                work.cancel()
+        if work.done() and not work.cancelled():
+            return work.result()
+        if self._stopped.is_set():
+            raise Overloaded("shutting_down", "server is shutting down", 1)
+        raise Overloaded("timeout", f"generation not started within GENERATION_TIMEOUT_S="
+                                    f"{self.request_timeout_s:g} s", self.retry_after_s())
 
     async def _run(self, generation: Iterable, stream: GenerationStream) -> None:
         t0, reason = time.perf_counter(), "error"
@@ -128,8 +144,9 @@ class GenerationRunner:
             self.on_finish(generation, reason)
 
     async def stop(self) -> None:
-        """Refuse new generations and stop the running one after its current step."""
+        """Refuse new generations, those waiting included, and stop the running one after its current step."""
         self.closed = True
+        self._stopped.set()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

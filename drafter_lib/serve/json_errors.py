@@ -1,12 +1,13 @@
 """The JSON error answers: `{"error": message}` on the drafter's own endpoints, and OpenAI's
-`{"error": {"message", "type", "param", "code"}}` under /v1/, whose clients read that shape. The middleware (body
-bound, keys, request ids) sends them straight from ASGI, before or around the routes; the routes build the same
-shapes with FastAPI's JSONResponse (app.py `_error`, openai_schema.ApiError)."""
+`{"error": {"message", "type", "param", "code"}}` under /v1 (every path and method, an unknown one included), whose
+clients read that shape. The middleware (body bound, keys, request ids) sends them straight from ASGI, before or
+around the routes; the routes build the same shapes with FastAPI's JSONResponse (app.py `_error`,
+openai_schema.ApiError), and app.py's handler of routing errors (404, 405) too."""
 from __future__ import annotations
 
 import json
 
-OPENAI_PREFIX = "/v1/"
+OPENAI_PREFIX = "/v1"
 # OpenAI's error type and code for the statuses the middleware sends
 _OPENAI_KINDS = {401: ("invalid_request_error", "invalid_api_key"), 413: ("invalid_request_error", "request_too_large")}
 
@@ -16,9 +17,14 @@ def openai_error(message: str, type: str = "invalid_request_error", param: str |
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def is_openai_path(path: str) -> bool:
+    """Whether a request path is under /v1, where errors take OpenAI's shape."""
+    return path == OPENAI_PREFIX or path.startswith(OPENAI_PREFIX + "/")
+
+
 def error_body(status: int, message: str, path: str = "") -> dict:
     """The error answer's body for a request to `path`."""
-    if not path.startswith(OPENAI_PREFIX):
+    if not is_openai_path(path):
         return {"error": message}
     kind, code = _OPENAI_KINDS.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
     return openai_error(message, kind, None, code)

@@ -78,10 +78,13 @@ def _request_id_from(headers: list[tuple[bytes, bytes]]) -> str:
 
 class RequestIds:
     """ASGI middleware: the request id in the context, in the answer's `X-Request-ID`, and one access log line.
-    An unexpected error is logged with its details and answered 500 with a generic message and the request id."""
+    An unexpected error is logged with its details and answered 500 with a generic message and the request id.
+    `on_response(path, status)` is told every answer's status (None: none was sent), whoever sent it: the routes,
+    the middleware inside this one (keys, the body bound) or this one's 500."""
 
-    def __init__(self, app):
+    def __init__(self, app, on_response=None):
         self.app = app
+        self.on_response = on_response
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -107,6 +110,8 @@ class RequestIds:
                                   "details", path=scope.get("path", ""))
         finally:
             ms = (time.perf_counter() - t0) * 1e3
+            if self.on_response is not None:
+                self.on_response(scope.get("path", ""), status["code"])
             access_log.info("%s %s %s %.1f ms", scope.get("method"), scope.get("path"), status["code"], ms,
                             extra={"method": scope.get("method"), "path": scope.get("path"),
                                    "status": status["code"], "ms": round(ms, 3)})

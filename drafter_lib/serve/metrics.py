@@ -169,7 +169,7 @@ class _ServerState:
         g = self.generations
         if g is not None:
             yield GaugeMetricFamily(PREFIX + "generations_waiting", "Generations waiting for the one running "
-                                    "(bounded by MAX_QUEUE).", value=g.waiting)
+                                    "(bounded by GENERATION_MAX_QUEUE).", value=g.waiting)
             yield GaugeMetricFamily(PREFIX + "generations_running", "Generations running (at most 1).",
                                     value=g.running)
         engine = self.current_engine()
@@ -212,6 +212,11 @@ class Metrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=reg)
         self.generation_steps = Counter(PREFIX + "generation_target_steps", "Target forward passes of generations "
                                         "(generation_tokens / this = mean acceptance length).", registry=reg)
+        self.http_errors = Counter(PREFIX + "http_errors", "Answers of status 400 and above on any path and method, "
+                                   "whoever sent them (a route, the key check, the body bound, an unexpected error); "
+                                   "endpoint: the route's path, or 'other' for a path no route serves.",
+                                   ["endpoint", "status"], registry=reg)
+        self._endpoints: frozenset[str] = frozenset()
         for counter in (self.requests, self.openai_requests):  # known series start at 0, so rate() sees their first
             counter.labels(status="200", reason="")
             for reason in REASONS:
@@ -230,6 +235,15 @@ class Metrics:
     def bind_generations(self, runner) -> None:
         """The GenerationRunner whose queue the generation gauges read."""
         self._state.generations = runner
+
+    def bind_endpoints(self, paths) -> None:
+        """The paths the app routes: an error's `endpoint` label is one of them or 'other' (bounded labels)."""
+        self._endpoints = frozenset(paths)
+
+    def observe_http(self, path: str, status: int | None) -> None:
+        """Every answer the server sent (logs.RequestIds): a failure (400 and above) is counted."""
+        if status is not None and status >= 400:
+            self.http_errors.labels(endpoint=path if path in self._endpoints else "other", status=str(status)).inc()
 
     def observe_openai(self, status: int, reason: str | None = None) -> None:
         """Every /v1 completions answer: its HTTP status, and for a 503 the reason."""

@@ -4,17 +4,20 @@ POST /v1/completions and POST /v1/chat/completions, streamed (server-sent events
 The target answers greedily with the drafter proposing its next tokens (decoding/text_generation.py), so the text is
 the target's own greedy answer and only the speed depends on the drafter. Everything that touches the target or its
 tokenizer runs on the engine thread: the prompt's tokenization here, the generation itself in generations.py, one
-target step per call. Requests and answers: openai_schema.py. The bounds are the server's: MAX_QUEUE generations
-wait (then 503 with Retry-After), one not started within REQUEST_TIMEOUT_S gets 503, a drain (SIGTERM) lets the
-running and queued ones finish and refuses new ones, and API keys apply as to every endpoint.
+target step per call. Requests and answers: openai_schema.py. The bounds: GENERATION_MAX_QUEUE generations
+wait (then 503 with Retry-After), one not started within GENERATION_TIMEOUT_S gets 503, a drain (SIGTERM) lets the
+running and queued ones finish and refuses new ones, and API keys apply as to every endpoint. A chat request
+without `max_tokens` gets GENERATION_DEFAULT_MAX_TOKENS at most. A client that hangs up, streamed or not, stops
+its generation after the target step running then (the connection is watched, not only written to).
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from drafter_lib.serve.batching import Overloaded
 from drafter_lib.serve.generations import GenerationRunner
@@ -26,9 +29,11 @@ from drafter_lib.serve.openai_schema import (
     models_list,
     parse_request,
     sse,
+    unknown_fields,
 )
 
 log = logging.getLogger("specdraft.serve")
+CLIENT_CLOSED = 499  # the status logged and counted for an answer whose client hung up first (nginx's)
 
 
 def overloaded(exc: Overloaded) -> ApiError:
@@ -39,16 +44,34 @@ def overloaded(exc: Overloaded) -> ApiError:
     return ApiError(503, str(exc), code=exc.reason, headers=headers)
 
 
+async def hang_up(request: Request, stream) -> None:
+    """Abandon `stream`'s generation as soon as the client disconnects (the body has been read: what the
+    connection says next is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    stream.abandon()
+
+
 def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name: str, created: int,
-                      draft_tokens: int) -> None:
+                      draft_tokens: int, default_max_tokens: int | None = None) -> None:
     """The /v1 routes over `state` (app.ServeState: its `runtime`, `generation_drafter`, draining, in-flight count
-    and metrics); `draft_tokens`: k, the most tokens drafted per target step."""
+    and metrics); `draft_tokens`: k, the most tokens drafted per target step; `default_max_tokens`: the bound of a
+    chat answer that asks for none (None: the rest of the context)."""
     from drafter_lib.decoding.text_generation import (  # imported here so importing the app stays cheap
         GenerationInputError,
         TextGeneration,
         chat_prompt_ids,
         completion_prompt_ids,
     )
+
+    ignored: set[str] = set()  # unknown request fields already logged
+
+    def log_unknown(request) -> None:
+        for name in unknown_fields(request):
+            if name not in ignored:
+                ignored.add(name)
+                log.warning("ignoring the request field %r: this server does not read it (logged once per name)",
+                            name)
 
     def check_ready() -> None:
         if state.draining:
@@ -63,10 +86,13 @@ def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name:
             if chat:
                 ids = chat_prompt_ids(runtime, [m.as_template_input() for m in request.messages])
                 max_tokens = request.answer_tokens
+                if max_tokens is None and default_max_tokens is not None:  # (no room at all: the prompt's 400)
+                    max_tokens = max(1, min(default_max_tokens, runtime.context_length - len(ids)))
             else:
                 ids = completion_prompt_ids(runtime, request.single_prompt())
                 max_tokens = request.max_tokens
-            return TextGeneration(runtime, ids, max_tokens, state.generation_drafter, draft_tokens, request.stop)
+            return TextGeneration(runtime, ids, max_tokens, state.generation_drafter, draft_tokens, request.stop,
+                                  request.top_logprobs_asked)
         except GenerationInputError as e:
             param = e.param
             if chat and param == "prompt":
@@ -80,6 +106,7 @@ def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name:
         try:
             check_ready()
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, await request.body())
+            log_unknown(req)
             if req.model != model_name:
                 raise ApiError(404, f"The model `{req.model}` does not exist: this server serves `{model_name}` "
                                     "(GET /v1/models)", "model", "model_not_found")
@@ -88,17 +115,25 @@ def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name:
             except Overloaded as exc:
                 raise overloaded(exc) from None
             answer = Answer(model_name, chat)
+            watcher = asyncio.create_task(hang_up(request, stream))
             if req.stream:
                 include_usage = req.stream_options is not None and req.stream_options.include_usage
                 state.metrics.observe_openai(200)  # the answer begins now; an error after this goes into the stream
-                return StreamingResponse(events(stream, generation, answer, include_usage),
+                return StreamingResponse(events(stream, generation, answer, include_usage, watcher),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             try:
-                text = "".join([delta.text async for delta in stream])
+                deltas = [delta async for delta in stream]
             except Overloaded as exc:
                 raise overloaded(exc) from None
+            finally:
+                watcher.cancel()
+            if stream.abandoned:  # nobody is left to read the answer
+                state.metrics.observe_openai(CLIENT_CLOSED)
+                return Response(status_code=CLIENT_CLOSED)
             state.metrics.observe_openai(200)
-            return JSONResponse(answer.whole(text, generation.finish_reason, generation.stats))
+            logprobs = None if req.top_logprobs_asked is None else [e for d in deltas for e in d.logprobs]
+            return JSONResponse(answer.whole("".join(d.text for d in deltas), generation.finish_reason,
+                                             generation.stats, logprobs))
         except ApiError as e:
             state.metrics.observe_openai(e.status, e.code if e.status == 503 else None)
             return e.response()
@@ -122,16 +157,16 @@ def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name:
         return await generate(request, chat=True)
 
 
-async def events(stream, generation, answer: Answer, include_usage: bool):
+async def events(stream, generation, answer: Answer, include_usage: bool, watcher: asyncio.Task | None = None):
     """The stream's server-sent events: the text as it is accepted, then the finish reason and the acceptance
     figures, the usage if asked, and `[DONE]`. An error after the answer has begun becomes an error event. A
-    client that goes away stops the generation after its current step."""
+    client that goes away stops the generation after its current step (`watcher`: the task that notices it)."""
     try:
         if (first := answer.first_chunk()) is not None:
             yield sse(first)
         async for delta in stream:
-            if delta.text:
-                yield sse(answer.text_chunk(delta.text))
+            if delta.text or delta.logprobs:
+                yield sse(answer.text_chunk(delta.text, delta.logprobs))
         yield sse(answer.last_chunk(generation.finish_reason, generation.stats))
         if include_usage:
             yield sse(answer.usage_chunk(generation.stats))
@@ -141,5 +176,7 @@ async def events(stream, generation, answer: Answer, include_usage: bool):
         log.exception("generation failed")
         yield sse(ApiError(500, "internal error during the generation; the server log has the details").body())
     finally:
+        if watcher is not None:
+            watcher.cancel()
         stream.abandon()  # nothing left to stop once it has ended
     yield sse("[DONE]")

@@ -59,6 +59,12 @@ class Settings(BaseSettings):
     # a Hugging Face folder; unset: the drafter alone, as before. TARGET_DIR is the same setting.
     target: str | None = Field(None, validation_alias=AliasChoices("target", "target_dir"))
     target_numerics: Literal[TARGET_NUMERICS] = "w8a8"  # how its linears multiply (decoding/runtime.py)
+    # the bound of a chat answer that sets no max_tokens (and of what the context leaves: the smaller wins)
+    generation_default_max_tokens: int = Field(2048, ge=1, le=1_000_000)
+    # generations waiting for the running one (GENERATION_MAX_QUEUE) before 503, and how long one may wait to start
+    # (GENERATION_TIMEOUT_S): apart from /draft's MAX_QUEUE and REQUEST_TIMEOUT_S, as an answer takes minutes
+    generation_max_queue: int = Field(16, ge=1)
+    generation_timeout_s: float = Field(300.0, gt=0)
     api_key: SecretStr | None = None
     api_keys_file: Path | None = None
     behind_auth_proxy: bool = False

@@ -667,7 +667,7 @@ def test_target_setting(monkeypatch, env, target):
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     settings = Settings.from_env()
-    assert settings.target == target and settings.target_numerics == "w8a8"
+    assert settings.target == target and settings.target_numerics == "auto"
     assert settings.public()["target"] == target  # no such folder here: shown as given (a folder: its name only)
 
 
@@ -685,7 +685,7 @@ def test_target_numerics_setting_is_the_runtimes(monkeypatch, generation_dirs):
     monkeypatch.setenv("TARGET_NUMERICS", "int4")
     with pytest.raises(ValidationError) as e:
         Settings.from_env()
-    assert describe_errors(e.value) == ["TARGET_NUMERICS='int4': Input should be 'w8a8', 'gguf', 'w4a8' or 'fp32'"]
+    assert describe_errors(e.value) == ["TARGET_NUMERICS='int4': Input should be 'auto', 'gguf', 'w8a8', 'w4a8' or 'fp32'"]
 
 
 def test_a_generation_not_started_within_generation_timeout_s_gets_a_503(gated_server, name):

@@ -8,7 +8,10 @@ folder, a pinned hub id) and returns a `TargetRuntime`. `numerics` picks how its
 - "w8a8": int8 weights per output channel x int8 activations per row, int32 sums (`w8a8.py`; outlier channels
   smoothed into the weights first: `smoothing.py`);
 - "w4a8": 4-bit weights in groups x int8 activations per row (`w4a8.py`);
-- "fp32": torch's float linears.
+- "fp32": torch's float linears;
+- "auto" (the default): "gguf" where its kernel builds and the model's shapes fit its blocks, else "w8a8"
+  (`auto_numerics`). Of the numerics here only "gguf" follows the fp32 model as closely as llama.cpp's own file
+  (bench/fidelity.py; docs/studies/target_runtime.md), so it is the one the speculative loop should run where it can.
 
 The guarantee. With the integer numerics a row's logits never depend on the other rows of its pass: its integers
 depend on the row alone, integer sums are exact, each (row, output)'s floats are added in one fixed order, and the
@@ -20,6 +23,7 @@ sum a row differently with other rows beside it.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +34,8 @@ from drafter_lib.decoding.smoothing import calibration_rows, smooth
 from drafter_lib.decoding.speculative import NativeTarget
 from drafter_lib.model.transformer import Transformer
 
-NUMERICS = ("w8a8", "gguf", "w4a8", "fp32")
+log = logging.getLogger("specdraft.runtime")
+NUMERICS = ("auto", "gguf", "w8a8", "w4a8", "fp32")
 EXACT_NUMERICS = ("gguf", "w8a8", "w4a8")  # those that keep the guarantee above
 
 
@@ -59,6 +64,10 @@ def runtime_target(model: Transformer, numerics: str = "w8a8", kernel: str | Non
     per block already."""
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+    if numerics == "auto":
+        numerics, why = auto_numerics(model, blocks)
+        log.info("target numerics: %s (%s)", numerics, why)
+    model.numerics = numerics
     if numerics == "gguf":
         from drafter_lib.decoding.block_rows import use_block_linears
 
@@ -79,22 +88,36 @@ def runtime_target(model: Transformer, numerics: str = "w8a8", kernel: str | Non
     return NativeTarget(model, linears="stock")
 
 
+def auto_numerics(model: Transformer, blocks: dict | None = None) -> tuple[str, str]:
+    """("gguf" or "w8a8", why) for a target about to be converted: see the module doc."""
+    from drafter_lib.decoding.block_rows import kernel_unavailable
+
+    why = kernel_unavailable()
+    if why:
+        return "w8a8", f"the GGUF block kernel does not run here: {why}"
+    c = model.config
+    inputs = {c.hidden_size, c.num_attention_heads * c.head_dim, c.intermediate_size}
+    if blocks is None and any(k % 32 for k in inputs):
+        return "w8a8", f"its linears' inputs {sorted(inputs)} are not whole Q8_0 blocks of 32"
+    return "gguf", "its GGUF blocks" if blocks is not None else "its weights in Q8_0 blocks"
+
+
 def runtime_from_model(model: Transformer, tokenizer, name: str, numerics: str = "w8a8",
                        blocks: dict | None = None) -> TargetRuntime:
     """A TargetRuntime around a hand-written decoder already in memory (fp32 weights), converted to `numerics`."""
     target = runtime_target(model, numerics, calibration=calibration_rows(tokenizer), blocks=blocks)
     return TargetRuntime(target=target, tokenizer=tokenizer, stop_ids=tuple(stop_token_ids(tokenizer)), name=name,
-                         context_length=int(model.config.max_position_embeddings), numerics=numerics)
+                         context_length=int(model.config.max_position_embeddings), numerics=model.numerics)
 
 
 @torch.inference_mode()
-def load_target_runtime(spec: str, numerics: str = "w8a8", revision: str | None = None) -> TargetRuntime:
+def load_target_runtime(spec: str, numerics: str = "auto", revision: str | None = None) -> TargetRuntime:
     """Load `spec` (see hf_models.load_teacher) into the hand-written decoder with `numerics`. With "gguf" and a
     target that has a GGUF file, its float linear weights are never read: the decoder takes its embedding, norms
     and biases from the converted folder and its products from the GGUF's blocks (cached)."""
     from drafter_lib.model.hf_models import load_teacher, model_folder
 
-    blocks = gguf_blocks(spec) if numerics == "gguf" else None
+    blocks = gguf_blocks(spec) if numerics in ("gguf", "auto") and block_kernel_runs() else None
     if blocks is not None:
         from transformers import AutoTokenizer
 
@@ -133,6 +156,12 @@ def decoder_without_linears(folder) -> Transformer:
     model.load_state_dict(state, strict=False, assign=True)
     model.model.rotary_emb.inv_freq = rope_inv_freq(cfg)  # a buffer made at init, not in the file
     return model.eval()
+
+
+def block_kernel_runs() -> bool:
+    from drafter_lib.decoding.block_rows import kernel_unavailable
+
+    return kernel_unavailable() is None
 
 
 def gguf_blocks(spec: str) -> dict | None:

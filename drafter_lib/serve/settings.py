@@ -19,7 +19,7 @@ from drafter_lib.packed.config_keys import ENGINE_DTYPES, RECOMMENDED, check_min
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # decoding/runtime.py's NUMERICS, spelled out so that reading the settings imports no torch (a test keeps them equal)
-TARGET_NUMERICS = ("w8a8", "gguf", "w4a8", "fp32")
+TARGET_NUMERICS = ("auto", "gguf", "w8a8", "w4a8", "fp32")
 LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 
@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     # the target model of the OpenAI-compatible endpoints (openai_api.py): a target spec (`smollm2-135m-instruct`) or
     # a Hugging Face folder; unset: the drafter alone, as before. TARGET_DIR is the same setting.
     target: str | None = Field(None, validation_alias=AliasChoices("target", "target_dir"))
-    target_numerics: Literal[TARGET_NUMERICS] = "w8a8"  # how its linears multiply (decoding/runtime.py)
+    target_numerics: Literal[TARGET_NUMERICS] = "auto"  # how its linears multiply (decoding/runtime.py)
     # the bound of a chat answer that sets no max_tokens (and of what the context leaves: the smaller wins)
     generation_default_max_tokens: int = Field(2048, ge=1, le=1_000_000)
     # generations waiting for the running one (GENERATION_MAX_QUEUE) before 503, and how long one may wait to start

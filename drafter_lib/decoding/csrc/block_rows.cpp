@@ -185,27 +185,34 @@ void run(const Weight& w, const Rows& r, int64_t n0, int64_t n1, float* y) {
 
 // ------------------------------------------------------------------------------------------- the vector paths
 // One body (block_rows_simd.h), compiled once per instruction set; DOT(u, a) gives the eight int32 lanes of
-// unsigned u times signed a, SCALED(u, a, s) the same lanes times the int32 / int16 lanes of s.
+// unsigned u times signed a, SCALED_ADD(acc, u, a, s) adds to acc the same lanes times the lanes' int16 scales s
+// (scale_lanes: one for lanes 0-3, one for 4-7). vpmaddubsw's int16 pairs never saturate here (|u a + u a| <=
+// 2 * 128 * 127 < 2^15: |q| <= 128 for Q8_0, q <= 63 otherwise, |a| <= 127), and the scaled sums are exact int32.
 #pragma GCC push_options
 #pragma GCC target("avx2")
 namespace avx2 {
-// vpmaddubsw's int16 pairs never saturate here (|u a + u a| <= 2 * 128 * 127 < 2^15: |q| <= 128 for Q8_0, q <= 63
-// otherwise, |a| <= 127), and vpmaddwd by the scale in int16 sums them into int32 lanes exactly
 inline __m256i scale_lanes(int32_t lo, int32_t hi) {
   return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
 }
 inline __m256i DOT(__m256i u, __m256i a) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)); }
-inline __m256i SCALED(__m256i u, __m256i a, __m256i s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), s); }
+inline __m256i SCALED_ADD(__m256i acc, __m256i u, __m256i a, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), s));
+}
 #include "block_rows_simd.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
+// With VNNI, vpdpbusd sums u x a into the lanes in one step, and vpdpwssd scales the int16 pairs and adds them.
 #pragma GCC push_options
 #pragma GCC target("avx2,avxvnni")
 namespace avx_vnni {
-inline __m256i scale_lanes(int32_t lo, int32_t hi) { return _mm256_set_m128i(_mm_set1_epi32(hi), _mm_set1_epi32(lo)); }
+inline __m256i scale_lanes(int32_t lo, int32_t hi) {
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
+}
 inline __m256i DOT(__m256i u, __m256i a) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, a); }
-inline __m256i SCALED(__m256i u, __m256i a, __m256i s) { return _mm256_mullo_epi32(DOT(u, a), s); }
+inline __m256i SCALED_ADD(__m256i acc, __m256i u, __m256i a, __m256i s) {
+  return _mm256_dpwssd_avx_epi32(acc, _mm256_maddubs_epi16(u, a), s);
+}
 #include "block_rows_simd.h"
 }  // namespace avx_vnni
 #pragma GCC pop_options
@@ -213,9 +220,13 @@ inline __m256i SCALED(__m256i u, __m256i a, __m256i s) { return _mm256_mullo_epi
 #pragma GCC push_options
 #pragma GCC target("avx2,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace avx512_vnni {
-inline __m256i scale_lanes(int32_t lo, int32_t hi) { return _mm256_set_m128i(_mm_set1_epi32(hi), _mm_set1_epi32(lo)); }
+inline __m256i scale_lanes(int32_t lo, int32_t hi) {
+  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
+}
 inline __m256i DOT(__m256i u, __m256i a) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a); }
-inline __m256i SCALED(__m256i u, __m256i a, __m256i s) { return _mm256_mullo_epi32(DOT(u, a), s); }
+inline __m256i SCALED_ADD(__m256i acc, __m256i u, __m256i a, __m256i s) {
+  return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, a), s);
+}
 #include "block_rows_simd.h"
 }  // namespace avx512_vnni
 #pragma GCC pop_options

@@ -1,5 +1,5 @@
 // The vector paths' body (block_rows.cpp), included once per instruction set inside a namespace that defines
-// DOT(u, a), SCALED(u, a, s) and scale_lanes(lo, hi). Each step mirrors `portable::row_dot` lane for lane.
+// DOT(u, a), SCALED_ADD(acc, u, a, s) and scale_lanes(lo, hi). Each step mirrors `portable::row_dot` lane for lane.
 
 template <int T>
 void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
@@ -54,7 +54,7 @@ void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
         const __m256i s0 = scale_lanes(sc[g], sc[g]), s1 = scale_lanes(sc[g + 1], sc[g + 1]);
         for (int t = 0; t < T; ++t) {
           const int8_t* at = a[t] + sb * 256 + c * 64;
-          L[t] = _mm256_add_epi32(L[t], _mm256_add_epi32(SCALED(lo, load(at), s0), SCALED(hi, load(at + 32), s1)));
+          L[t] = SCALED_ADD(SCALED_ADD(L[t], lo, load(at), s0), hi, load(at + 32), s1);
         }
       }
       for (int t = 0; t < T; ++t) {
@@ -74,7 +74,7 @@ void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
       for (int c = 0; c < 8; ++c) {
         const __m256i u = load(q + sb * 256 + c * 32);
         const __m256i s = scale_lanes(sc[sb * 16 + 2 * c], sc[sb * 16 + 2 * c + 1]);
-        for (int t = 0; t < T; ++t) L[t] = _mm256_add_epi32(L[t], SCALED(u, load(a[t] + sb * 256 + c * 32), s));
+        for (int t = 0; t < T; ++t) L[t] = SCALED_ADD(L[t], u, load(a[t] + sb * 256 + c * 32), s);
       }
       for (int t = 0; t < T; ++t) {
         const int32_t* s16 = r.s16row(m0 + t) + sb * 16;

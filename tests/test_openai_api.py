@@ -685,7 +685,8 @@ def test_target_numerics_setting_is_the_runtimes(monkeypatch, generation_dirs):
     monkeypatch.setenv("TARGET_NUMERICS", "int4")
     with pytest.raises(ValidationError) as e:
         Settings.from_env()
-    assert describe_errors(e.value) == ["TARGET_NUMERICS='int4': Input should be 'auto', 'gguf', 'w8a8', 'w4a8' or 'fp32'"]
+    assert describe_errors(e.value) == [
+        "TARGET_NUMERICS='int4': Input should be 'auto', 'gguf', 'w8a8', 'w4a8' or 'fp32'"]
 
 
 def test_a_generation_not_started_within_generation_timeout_s_gets_a_503(gated_server, name):

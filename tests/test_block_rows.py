@@ -178,3 +178,20 @@ def test_gguf_runtime_loads_without_float_linears_and_equals_the_model_built_fro
     assert torch.equal(rt.target.score(ids), full.score(ids))
     rt.target.reset()
     assert len(greedy_decode(rt.target, ids, 8)) == 8
+
+
+def test_auto_numerics_take_the_block_kernel_where_it_runs_and_fits(tiny_random, monkeypatch):
+    from drafter_lib.decoding.runtime import auto_numerics, runtime_target
+    from drafter_lib.model.transformer import Transformer
+
+    hf, _ = tiny_random("qwen2", hidden_size=64, num_hidden_layers=1, intermediate_size=128)
+    model = Transformer.from_hf_model(hf)
+    assert auto_numerics(model) == ("gguf", "its weights in Q8_0 blocks")
+    target = runtime_target(model, "auto")
+    assert target.model.numerics == "gguf" and target.model.weight_formats == {"Q8_0": 8}
+    odd, _ = tiny_random("llama", hidden_size=48, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=80)
+    numerics, why = auto_numerics(Transformer.from_hf_model(odd))
+    assert numerics == "w8a8" and "[48, 80]" in why
+    monkeypatch.setattr(br, "kernel_unavailable", lambda: "no C++ compiler (g++) on PATH")
+    assert auto_numerics(model) == ("w8a8", "the GGUF block kernel does not run here: no C++ compiler (g++) on PATH")

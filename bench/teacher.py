@@ -1,4 +1,5 @@
-"""Teacher generation throughput: transformers generate vs the native decoder, side by side, with token agreement.
+"""Teacher generation throughput: transformers generate vs the native decoder and the target runtime, side by side,
+with token agreement.
 
     OMP_WAIT_POLICY=PASSIVE python bench/teacher.py [--n 64] [--max-new-tokens 256] [--batch-sizes 16 32]
         [--systems hf native native-static native-soft] [--repeats 1] [--data-dir ../shared/data] [--teacher SPEC]
@@ -17,6 +18,10 @@ load hits all of them alike):
   native-soft-prompt-v20  the same without shared prefills: prompts prefilled one by one, the head in one product
   native-soft-prompt-v21  the same without per-block decode attention: every row attends up to the longest row
   native-bf16 / native-fp16   weights in bf16 / fp16 (activations fp32); fast only where the CPU has kernels
+  runtime-soft-prompt-16  the target runtime (W8A8 linears, row-exact attention; teacher.backend=runtime), top-16
+                          at every position: each row is the runtime's own plain greedy answer (tests/test_teacher.py),
+                          so its agreement with hf is the W8A8 runtime's fidelity to fp32, not an error
+  runtime-w4a8-soft-prompt-16  the same with W4A8 linears
 Prints tokens/s per system and batch, the ratio to hf at the same batch, and token agreement with hf and with
 native (or, without native, the first other system listed):
 identical rows, and the share of reference tokens before the first differing token (prefix agreement).
@@ -53,6 +58,8 @@ SYSTEMS = {
     "native-soft-prompt-16": dict(backend="native", soft_topk=16, soft_prompt=True),
     "native-bf16": dict(backend="native", native_dtype="bfloat16"),
     "native-fp16": dict(backend="native", native_dtype="float16"),
+    "runtime-soft-prompt-16": dict(backend="runtime", soft_topk=16, soft_prompt=True),
+    "runtime-w4a8-soft-prompt-16": dict(backend="runtime", numerics="w4a8", soft_topk=16, soft_prompt=True),
 }
 
 
@@ -122,6 +129,7 @@ def main():
                                                   max_new_tokens=args.max_new_tokens, progress=False,
                                                   **SYSTEMS[name])
                     wall = st["seconds"]  # generation and writing; not the one-off weight hashing / conversion
+                    # (the runtime's smoothing and quantization included)
                     conts[(name, bs)] = {r["id"]: r["continuation_ids"] for r in teacher.read_rows(Path(d) / "t.jsonl")}
                 tps.setdefault((name, bs), []).append(st["new_tokens"] / wall)
                 print(f"  rep {rep} {name:18} batch {bs:3d}: {st['new_tokens']} new tokens in {wall:6.1f} s "

@@ -148,9 +148,15 @@ def test_recorder_checks_its_steps():
 
 
 def test_backend_names():
-    assert backends.BACKEND_NAMES == ("auto", "native", "hf", "vllm")
+    from drafter_lib.study.config_checks import BACKENDS
+
+    assert backends.BACKEND_NAMES == BACKENDS == ("auto", "native", "hf", "vllm", "runtime")
     with pytest.raises(ValueError, match="unknown backend"):
         make_backend("tgi", tiny_model(0), tiny_tokenizer())
+    with pytest.raises(ValueError, match="numerics"):  # the runtime's option only
+        make_backend("native", tiny_model(0), tiny_tokenizer(), numerics="w8a8")
+    with pytest.raises(ValueError, match="runtime backend takes"):
+        make_backend("runtime", tiny_model(0), tiny_tokenizer(), dtype="bfloat16")
 
 
 def test_auto_runs_every_architecture_of_the_hand_written_decoder_natively():

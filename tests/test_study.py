@@ -169,3 +169,21 @@ def test_changed_eval_config_reruns_only_eval(smoke_run):
     res = study.run_study("smoke", name=name, overrides={"eval.e2e_prompts": 1, "num_threads": 2})
     assert [s for s, r in res["stages"].items() if r["ran"]] == ["05_eval"]
     assert res["metrics"]["end_to_end"]["prompts"] == 1
+
+
+def test_smoke_teacher_stage_runs_on_the_target_runtime(tmp_path):
+    """teacher.backend='runtime': the smoke study's teacher stage writes its targets and soft labels through the
+    target runtime (its default numerics), with its tokens/s in teacher/stats.json."""
+    from drafter_lib.common.files import read_json
+    from drafter_lib.teacher.row_file import meta_path
+
+    res = study.run_study("smoke", name="runtime-teacher", runs_dir=tmp_path, stages=["01_data", "02_teacher"],
+                          overrides={"teacher.backend": "runtime"})
+    assert all(s["ran"] for s in res["stages"].values())
+    run = RunLayout.of(res["run_dir"])
+    stats = read_json(run.teacher_stats)
+    assert stats["backend"] == "runtime" and stats["new_tokens"] > 0 and stats["tokens_per_s"] > 0
+    generation = read_json(meta_path(run.targets))["generation"]
+    assert generation["backend"] == "runtime" and generation["numerics"] == "w8a8" and generation["soft_topk"] > 0
+    with pytest.raises(ValueError, match="teacher.numerics"):
+        C.build_config("smoke", {"teacher.numerics": "w8a8"})  # a setting of the runtime backend only

@@ -170,3 +170,57 @@ def test_meta_records_no_machine_path(tmp_path):
     assert json.loads(text)["teacher"]["id"] == "runs/x/tiny_llama"
     assert str(REPO_ROOT) not in text and str(tmp_path) not in text
     assert portable_value("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"
+
+
+def test_runtime_backend_rows_are_the_runtimes_own_greedy_answers_and_resume(tmp_path, tiny_random):
+    """teacher.backend='runtime': prompts decoded together through the target runtime (W8A8, row-exact), each row
+    equal to the runtime's plain greedy answer to its prompt alone, its soft labels the top-K of the same logits;
+    a killed run resumes to the same file, and a resume in other numerics is refused."""
+    from drafter_lib.decoding.generate import topk_logprobs
+    from drafter_lib.decoding.runtime import runtime_target
+    from drafter_lib.decoding.smoothing import calibration_rows
+    from drafter_lib.decoding.speculative import NativeTarget
+    from drafter_lib.model.tiny_models import TINY_WEIGHT_SCALE
+    from drafter_lib.model.transformer import Transformer
+    from drafter_lib.teacher.soft_labels import load_soft_labels, soft_dir_for
+
+    model, tok = tiny_random("qwen2", seed=1, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=128)
+    with torch.no_grad():  # sharper weights: varied answers (tiny_models.TINY_WEIGHT_SCALE)
+        for name, p in model.named_parameters():
+            if p.ndim == 2 and "embed_tokens" not in name:
+                p.mul_(TINY_WEIGHT_SCALE)
+    stop = teacher.stop_token_ids(tok)
+    recs = records(11)
+    out = tmp_path / "t.jsonl"
+
+    def crash(batch_index, rows):
+        if batch_index == 1:
+            raise KeyboardInterrupt("simulated kill")
+
+    kw = dict(max_new_tokens=12, batch_size=3, backend="runtime", soft_topk=8, progress=False)
+    with pytest.raises(KeyboardInterrupt):
+        teacher.generate_targets(recs, model, tok, out, on_batch=crash, **kw)
+    assert len(teacher.read_rows(out)) == 6
+    stats = teacher.generate_targets(recs, model, tok, out, **kw)
+    assert stats["backend"] == "runtime" and stats["already_done"] == 6 and stats["written"] == 5
+    meta = json.loads(teacher.meta_path(out).read_text())
+    assert meta["generation"]["backend"] == "runtime" and meta["generation"]["numerics"] == "w8a8"
+    with pytest.raises(ValueError, match="generation"):
+        teacher.generate_targets(recs, model, tok, out, numerics="fp32", **kw)
+
+    target = runtime_target(Transformer.from_hf_model(model), "w8a8", calibration=calibration_rows(tok))
+    rows, soft = by_id(out), load_soft_labels(soft_dir_for(out))
+    answers = set()
+    for r in recs:
+        row, p = rows[r["id"]], teacher.encode_chat(tok, r["messages"])
+        alone = NativeTarget(target.model, linears="stock")
+        logits = [alone.score(p, keep=1)]
+        while len(logits) < 12 and int(logits[-1].argmax()) not in stop:
+            logits.append(alone.score([int(logits[-1].argmax())], keep=1))
+        answer = [int(x.argmax()) for x in logits]
+        assert row["continuation_ids"] == answer, r["id"]
+        ids, logprobs = topk_logprobs(torch.cat(logits), 8)
+        assert torch.equal(soft[r["id"]].ids, ids) and torch.equal(soft[r["id"]].logprobs, logprobs.half())
+        answers.add(tuple(answer))
+    assert len(answers) > 5

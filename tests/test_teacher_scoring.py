@@ -47,12 +47,14 @@ def drafter_model():
     return Transformer.from_hf_model(drafter_hf())
 
 
-@pytest.mark.parametrize("backend,prompt", [("native", False), ("native", True), ("hf", False)])
+@pytest.mark.parametrize("backend,prompt", [("native", False), ("native", True), ("hf", False), ("runtime", True)])
 def test_scoring_the_teachers_own_rows_gives_its_tokens_and_soft_labels(tmp_path, backend, prompt):
+    """(The runtime scores its own rows: row-exact, its labels equal the generating ones bit for bit.)"""
     model, tok = tiny_model(), tiny_tokenizer()
     gen = tmp_path / "gen" / "targets.jsonl"
-    teacher.generate_targets(records(11), model, tok, gen, max_new_tokens=10, batch_size=4, backend="native",
-                             soft_topk=K, soft_prompt=prompt, progress=False)
+    teacher.generate_targets(records(11), model, tok, gen, max_new_tokens=10, batch_size=4,
+                             backend="runtime" if backend == "runtime" else "native", soft_topk=K, soft_prompt=prompt,
+                             progress=False)
     out = tmp_path / "scored" / "targets.jsonl"
     stats = score_targets(gen, model, tok, out, soft_topk=K, soft_prompt=prompt, hard_labels=True, batch_size=4,
                           backend=backend, progress=False)
@@ -66,6 +68,7 @@ def test_scoring_the_teachers_own_rows_gives_its_tokens_and_soft_labels(tmp_path
         assert s["target_argmax_ids"] == row["continuation_ids"], rid  # the teacher's own greedy tokens
         assert b[rid].start == a[rid].start and torch.equal(b[rid].ids, a[rid].ids), rid
         torch.testing.assert_close(b[rid].logprobs, a[rid].logprobs, atol=2e-3, rtol=0)
+        assert backend != "runtime" or torch.equal(b[rid].logprobs, a[rid].logprobs), rid
     m = meta(out)
     assert m["generation"]["mode"] == "score" and m["generation"]["soft_topk"] == K
     assert m["generation"]["source"] == {"file": repo_relative(gen), "rows": 11, "sha256": sha256_file(gen)}

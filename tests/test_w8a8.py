@@ -9,6 +9,7 @@ import torch
 from drafter_lib.decoding import block_rows, w4a8, w8a8
 from drafter_lib.decoding.runtime import runtime_from_model, runtime_target
 from drafter_lib.decoding.speculative import FnDrafter, greedy_decode, speculative_generate
+from drafter_lib.decoding.tree import DraftTree
 from drafter_lib.model.tiny_models import TINY_WEIGHT_SCALE
 from drafter_lib.model.transformer import ROW_BUCKET, Transformer
 
@@ -130,11 +131,14 @@ def test_runtime_holds_its_tokenizer_and_stop_tokens(tiny_random):
         runtime_from_model(Transformer.from_hf_model(hf), tok, "tiny", numerics="int3")
 
 
-def test_row_exact_attention_refuses_a_batch(tiny_random):
-    target = _runtime(tiny_random, "llama")
-    cache = target.model.new_cache(2, ROW_BUCKET)
-    with pytest.raises(ValueError, match="one sequence"):
-        target.model.hidden(torch.zeros(2, 3, dtype=torch.long), torch.arange(3).repeat(2, 1), cache)
+def test_row_exact_attention_reads_whole_key_blocks(tiny_random):
+    from drafter_lib.model.kv_cache import KVCache
+
+    model = _runtime(tiny_random, "llama").model
+    assert model.new_cache(2, ROW_BUCKET + 1).capacity == 2 * ROW_BUCKET  # its caches round up to whole blocks
+    cache = KVCache.for_model(model.config, 1, ROW_BUCKET + 8)
+    with pytest.raises(ValueError, match=f"multiple of {ROW_BUCKET}"):
+        model.hidden(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None], cache)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -155,3 +159,163 @@ def test_smoothing_keeps_the_float_model_and_evens_out_its_channels(tiny_random,
     assert after.max() / after.median() < 0.5 * spread.max() / spread.median()
     with pytest.raises(ValueError, match="calibration"):
         smooth(model, [])
+
+
+def _tree(rng: random.Random, n: int, shape: str, max_depth: int = 10 ** 9, vocab: int = 259) -> DraftTree:
+    """A draft tree of n nodes: a deep chain, a wide fan (every node a child of the context), many siblings under
+    few parents, or random parents; a node that would sit deeper than max_depth is a child of the context."""
+    tokens, parents, depths = [], [], []
+    for i in range(n):
+        p = {"chain": i - 1, "fan": -1, "siblings": -1 if i < 2 else rng.randrange(-1, 2),
+             "random": rng.randrange(-1, i)}[shape]
+        if p >= 0 and depths[p] >= max_depth:
+            p = -1
+        depths.append(1 if p < 0 else depths[p] + 1)
+        taken = {t for t, q in zip(tokens, parents) if q == p}
+        t = rng.choice([v for v in range(vocab) if v not in taken])
+        tokens.append(t)
+        parents.append(p)
+    return DraftTree(tuple(tokens), tuple(parents))
+
+
+@pytest.mark.parametrize("numerics", INTEGER_NUMERICS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tree_pass_logits_equal_one_token_steps_along_each_path_bit_for_bit(tiny_random, arch, numerics):
+    target = _runtime(tiny_random, arch, numerics=numerics)
+    rng = random.Random(3)
+    for plen, shape, n in [(ROW_BUCKET - 5, "chain", 16), (ROW_BUCKET - 3, "random", 16), (ROW_BUCKET - 1, "fan", 9),
+                           (2 * ROW_BUCKET - 4, "siblings", 14), (30, "random", 1)]:
+        context = [rng.randrange(259) for _ in range(plen)]  # the tree's positions cross a key block's end
+        tree = _tree(rng, n, shape)
+        target.reset()
+        feed = context if plen % 2 else context[-1:]  # the whole prompt with the tree, or only its last token
+        if not plen % 2:
+            target.score(context[:-1])
+        logits = target.score_tree(feed, tree)
+        assert logits.shape == (n + 1, 259)
+        for i in range(-1, n):
+            target.rollback(plen - 1)
+            for t in context[-1:] + ([] if i < 0 else [tree.tokens[j] for j in tree.path(i)]):
+                step = target.score([t], keep=1)[0]  # one-token steps along the node's path
+            assert torch.equal(logits[i + 1], step), (plen, shape, i)
+
+
+class _TreeDrafter:
+    """Trees that hold the target's true continuation (`plain`) up to a chosen depth on a chosen branch, among
+    decoys: `right` (the true chain first), `wrong` (no node right), `late` (the true branch drafted last, so the
+    accepted path sits at later slots) or `random` (random trees, each node drawn from the vocabulary)."""
+
+    def __init__(self, kind: str, plain: list[int], prompt_len: int, seed: int = 0, vocab: int = 259):
+        self.kind, self.plain, self.prompt_len, self.vocab = kind, plain, prompt_len, vocab
+        self.rng = random.Random(seed)
+
+    def draft_tree(self, ctx: list[int], budget: int, max_depth: int) -> DraftTree:
+        rng, truth = self.rng, self.plain[len(ctx) - self.prompt_len:]
+        if self.kind == "random":
+            return _tree(rng, rng.randint(1, budget), rng.choice(["chain", "fan", "siblings", "random"]), max_depth)
+        good = truth[:min(max_depth, budget)] if self.kind in ("right", "late") else []
+        if self.kind == "late":
+            good = good[:max(budget - 1, 0)]
+        tokens, parents = [], []
+        if self.kind != "right":  # a decoy first: never the true next token
+            tokens.append((truth[0] + 1) % self.vocab if truth else 0)
+            parents.append(-1)
+        base = len(tokens)
+        if self.kind in ("right", "late"):
+            tokens += good
+            parents += [-1 if j == 0 else base + j - 1 for j in range(len(good))]
+        while len(tokens) < budget:  # decoys: wrong siblings and children, at most max_depth deep
+            p = rng.randrange(-1, len(tokens))
+            tree = DraftTree(tuple(tokens), tuple(parents))
+            depth = 1 if p < 0 else tree.depths[p] + 1
+            right = truth[depth - 1] if self.kind == "wrong" and depth <= len(truth) else None
+            taken = {t for t, q in zip(tokens, parents) if q == p} | {right}
+            free = [v for v in range(self.vocab) if v not in taken]
+            if depth > max_depth:
+                continue
+            tokens.append(rng.choice(free))
+            parents.append(p)
+        return DraftTree(tuple(tokens), tuple(parents))
+
+
+class _Logged:
+    """A Target that keeps the logits that chose each generated token (index 0: the first after the prompt): a
+    chain step's rows, or a tree step's rows on the accepted path, the bonus token's included."""
+
+    def __init__(self, target, prompt_len: int):
+        self.target, self.prompt_len, self.chose, self.tree_rows = target, prompt_len, {}, None
+        self.vocab_size = target.vocab_size
+
+    cached_len = property(lambda self: self.target.cached_len)
+
+    def reset(self):
+        self.target.reset()
+
+    def rollback(self, n):
+        self.target.rollback(n)
+
+    def score(self, new_tokens, keep=None):
+        out = self.target.score(new_tokens, keep)
+        for j, row in enumerate(out):  # row j predicts the token at sequence position cached_len - len(out) + 1 + j
+            self.chose[self.cached_len - len(out) + 1 + j - self.prompt_len] = row
+        return out
+
+    def score_tree(self, new_tokens, tree):
+        self.tree_rows = self.target.score_tree(new_tokens, tree)
+        return self.tree_rows
+
+    def commit_tree(self, base, path):
+        self.target.commit_tree(base, path)
+        for j, row in enumerate([0] + [i + 1 for i in path]):
+            self.chose[base - self.prompt_len + j] = self.tree_rows[row]
+
+
+@pytest.mark.parametrize("numerics", INTEGER_NUMERICS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tree_speculative_equals_plain_for_every_budget_and_drafter(tiny_random, arch, numerics):
+    """Tokens equal plain greedy decoding's, and so do the logits that chose each of them, bit for bit."""
+    prompt = list(range(40, 96))  # 56 tokens: the run crosses the 64-slot key block in the middle of trees
+    plain_run = _Logged(_runtime(tiny_random, arch, numerics=numerics), len(prompt))
+    plain = greedy_decode(plain_run, prompt, 28)
+    assert len(set(plain)) > 3 and sorted(plain_run.chose) == list(range(28))
+    for kind in ("random", "wrong", "right", "late"):
+        for budget in range(1, 17):
+            run = _Logged(plain_run.target, len(prompt))
+            out = speculative_generate(run, prompt, 28, _TreeDrafter(kind, plain, len(prompt), seed=budget),
+                                       k=8, tree_budget=budget)
+            assert out.tokens == plain, (kind, budget)
+            assert all(torch.equal(run.chose[i], plain_run.chose[i]) for i in range(28)), (kind, budget)
+            if kind == "right":
+                assert out.mean_acceptance_length > min(budget, 8) * 0.7
+            if kind == "wrong":
+                assert out.accepted == 0
+
+
+@pytest.mark.parametrize("numerics", INTEGER_NUMERICS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_batched_generation_equals_each_prompt_alone_bit_for_bit(tiny_random, arch, numerics):
+    """Prompts of different lengths decoded together (right-padded prefills, refilled slots, rows at different
+    positions in one pass) give each prompt the runtime's plain greedy answer alone: the tokens, and the log-probs
+    of every position (logits minus their logsumexp) bit for bit."""
+    from drafter_lib.decoding.generate import stream_generate, topk_logprobs
+
+    target = _runtime(tiny_random, arch, numerics=numerics)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(259) for _ in range(n)] for n in (5, 63, 30, 64, 100, 1, 129)]
+    soft = []  # per prompt alone: the top-259 (all) log-probs at each of 24 generated positions
+    for p in prompts:
+        run = _Logged(target, len(p))
+        greedy_decode(run, p, 24)
+        soft.append(topk_logprobs(torch.stack([run.chose[i] for i in range(24)]), 259))
+    stop = {greedy_decode(target, prompts[0], 24)[9]}  # rows end at different steps, so slots are refilled
+    alone = [greedy_decode(target, p, 24, stop_ids=stop) for p in prompts]
+    assert len({len(a) for a in alone}) > 1
+    for batch in range(1, 6):
+        seen = set()
+        for f in stream_generate(target.model, prompts, 24, stop, batch_size=batch, topk=259):
+            seen.add(f.index)
+            n = len(f.tokens)
+            assert f.tokens == alone[f.index], (batch, f.index)
+            assert torch.equal(f.soft_ids, soft[f.index][0][:n]), (batch, f.index)
+            assert torch.equal(f.soft_logprobs, soft[f.index][1][:n]), (batch, f.index)
+        assert seen == set(range(len(prompts)))

@@ -13,8 +13,12 @@ cut at the first stop token, and with top_k > 0 the teacher's top-K log-probabil
             step's full-vocabulary logits go (`TopKRecorder`): what it holds grows as steps x batch x K.
   "vllm":   vLLM's offline engine (`drafter_lib.decoding.vllm_backend`), GPU only, tensor parallel across GPUs;
             vllm is imported only when this backend is made.
+  "runtime": the target runtime (`drafter_lib.decoding.runtime`: W8A8 / W4A8 / fp32 linears, row-exact
+            attention) with continuous batching, CPU: each row is exactly the runtime's own plain greedy answer to
+            its prompt (the answers a drafter is verified against when the runtime serves), whatever rows share its
+            passes, and its top-K come from the same logits.
 
-The native and hf backends also `score` finished sequences teacher-forced (the teacher stage's scoring mode,
+The native, runtime and hf backends also `score` finished sequences teacher-forced (the teacher stage's scoring mode,
 `drafter_lib.teacher.scoring`): one right-padded forward per batch, the head only at the positions asked for.
 """
 from __future__ import annotations
@@ -28,11 +32,11 @@ from drafter_lib.common.chat import cut_at_stop
 from drafter_lib.decoding.generate import Finished, topk_logprobs
 from drafter_lib.model.transformer import SUPPORTED_ARCHS
 
-__all__ = ["HFBackend", "NativeBackend", "TopKRecorder", "Scored", "score_positions", "make_backend", "NATIVE_DTYPES",
-           "BACKEND_NAMES"]
+__all__ = ["HFBackend", "NativeBackend", "RuntimeBackend", "TopKRecorder", "Scored", "score_positions", "make_backend",
+           "NATIVE_DTYPES", "BACKEND_NAMES"]
 
 NATIVE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-BACKEND_NAMES = ("auto", "native", "hf", "vllm")
+BACKEND_NAMES = ("auto", "native", "hf", "vllm", "runtime")
 
 
 class TopKRecorder:
@@ -233,6 +237,45 @@ class NativeBackend:
         return score_positions(h, self.model.lm_head, starts, [len(s) for s in sequences], top_k)
 
 
+class RuntimeBackend:
+    """The target runtime as the teacher: the teacher's weights converted to `numerics` (`runtime.runtime_target`,
+    smoothed on the tokenizer's calibration rows as the server's runtime is), decoded with continuous batching."""
+
+    name = "runtime"
+
+    def __init__(self, hf_model, tokenizer, numerics: str | None = None, prefill_group: int = 8):
+        from drafter_lib.decoding.runtime import NUMERICS, runtime_target
+        from drafter_lib.decoding.smoothing import calibration_rows
+        from drafter_lib.model.transformer import Transformer
+
+        self.numerics = numerics or NUMERICS[0]
+        model = Transformer.from_hf_model(hf_model)
+        self.model = runtime_target(model, self.numerics, calibration=calibration_rows(tokenizer)).model
+        self.prefill_group = prefill_group
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
+        outs: list[list[int]] = [[] for _ in prompts]
+        for f in self.stream(prompts, max_new_tokens, stop_ids, batch_size=len(prompts)):
+            outs[f.index] = f.tokens
+        return outs
+
+    def stream(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int], batch_size: int,
+               top_k: int = 0, prompt_top_k: bool = False) -> Iterator[Finished]:
+        from drafter_lib.decoding.generate import stream_generate
+
+        yield from stream_generate(self.model, prompts, max_new_tokens, stop_ids, batch_size, topk=top_k,
+                                   prompt_topk=prompt_top_k, prefill_group=self.prefill_group)
+
+    @torch.inference_mode()
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int = 0) -> list[Scored]:
+        """One teacher-forced, row-exact forward over the right-padded `sequences` (through a cache, as the
+        runtime's own passes); row i's distributions at positions starts[i] .. len(sequences[i]) - 1."""
+        ids, _ = right_padded(sequences, 0)
+        cache = self.model.new_cache(ids.shape[0], ids.shape[1])
+        h = self.model.hidden(ids, torch.arange(ids.shape[1]).expand_as(ids), cache)
+        return score_positions(h, self.model.lm_head, starts, [len(s) for s in sequences], top_k)
+
+
 def _model_folder(model) -> str:
     """The folder the HF teacher was loaded from (a local dir, or the hub snapshot it was read from)."""
     from pathlib import Path
@@ -246,17 +289,25 @@ def _model_folder(model) -> str:
 
 
 def make_backend(name: str, model, tokenizer, dtype: str = "float32", schedule: str = "continuous",
-                 vllm_options: dict | None = None, **native_options):
-    """"native", "hf", "vllm" or "auto" (native on CPU for the hand-written decoder's SUPPORTED_ARCHS, else hf; never
-    vllm). dtype/schedule and `native_options` (`NativeBackend`'s prefill_group, sliced_head, row_blocks): native
-    only. vllm_options (`VLLMBackend`'s tensor_parallel_size, chunk_rows, ...): vllm only; vLLM loads the weights
-    itself from the folder `model` was loaded from, in `model`'s dtype, so the weights the teacher meta hashes are
-    the ones used."""
+                 vllm_options: dict | None = None, numerics: str | None = None, **native_options):
+    """"native", "hf", "vllm", "runtime" or "auto" (native on CPU for the hand-written decoder's SUPPORTED_ARCHS,
+    else hf; never vllm or runtime). dtype/schedule and `native_options` (`NativeBackend`'s prefill_group,
+    sliced_head, row_blocks): native only (prefill_group: runtime too). vllm_options (`VLLMBackend`'s
+    tensor_parallel_size, chunk_rows, ...): vllm only; vLLM loads the weights itself from the folder `model` was
+    loaded from, in `model`'s dtype, so the weights the teacher meta hashes are the ones used. numerics: runtime
+    only (None: the runtime's default, `runtime.NUMERICS[0]`)."""
     if name == "auto":
         on_cpu = next(model.parameters()).device.type == "cpu"
         name = "native" if on_cpu and model.config.model_type in SUPPORTED_ARCHS else "hf"
     if vllm_options and name != "vllm":
         raise ValueError("vllm_options are options of the vllm backend")
+    if numerics is not None and name != "runtime":
+        raise ValueError("numerics is an option of the runtime backend")
+    if name == "runtime":
+        if dtype != "float32" or schedule != "continuous" or set(native_options) - {"prefill_group"}:
+            raise ValueError("the runtime backend takes numerics and prefill_group, not dtype, schedule or "
+                             f"{sorted(set(native_options) - {'prefill_group'})}")
+        return RuntimeBackend(model, tokenizer, numerics, **native_options)
     if name == "native":
         return NativeBackend(model, dtype=dtype, schedule=schedule, **native_options)
     if name in ("hf", "vllm") and (dtype != "float32" or schedule != "continuous" or native_options):

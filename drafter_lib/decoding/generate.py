@@ -81,8 +81,8 @@ def prefill_rows(model: Transformer, cache: KVCache, rows: Sequence[int], prompt
     h = model.hidden(ids, torch.arange(T).expand(n, T), scratch)
     idx = torch.tensor(list(rows), dtype=torch.long)
     for layer in range(len(cache.k)):
-        cache.k[layer][idx, :, :T] = scratch.k[layer]
-        cache.v[layer][idx, :, :T] = scratch.v[layer]
+        cache.k[layer][idx, :, :T] = scratch.k[layer][:, :, :T]
+        cache.v[layer][idx, :, :T] = scratch.v[layer][:, :, :T]
     for r, L in zip(rows, lens):
         cache.lengths[r] = L
     if not topk:

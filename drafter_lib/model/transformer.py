@@ -247,55 +247,129 @@ class Attention(nn.Module):
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=None if causal else mask,
                                               is_causal=causal, enable_gqa=self.nkv != self.nh)
 
-
     def _attend_rows(self, q, k, v, rows: RowGroups):
-        """Attention in which a query row's output never depends on the other rows of its pass (one sequence).
+        """Attention in which a query row's output never depends on the other rows of its pass.
 
-        Each query row is a head of its own (q_len 1) that reads the first `row_keys(position)` slots under its own
-        mask, so a row is computed by the same kernel call, over the same keys, whether it comes alone (a one-token
-        step) or inside a k + 1-token verify pass. Rows whose key blocks end alike share one call. (As a batch of
-        rows over a stride-0 view of the keys instead, a row's bits changed with the batch's size.)"""
-        _, H, _, D = q.shape
-        out = []
-        for a, b, n, mask in rows.spans:
-            qg = q[:, :, a:b].reshape(1, H * (b - a), 1, D)  # head-major: kv head j serves heads [j*G*rows, ...)
-            y = F.scaled_dot_product_attention(qg, k[:, :, :n], v[:, :, :n], attn_mask=mask.get(H), enable_gqa=True)
-            out.append(y.view(1, H, b - a, D))
-        return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+        Each query row is a head of its own (q_len 1) that reads `row_keys(position)` key slots under its own
+        mask, laid out as a one-token step of its sequence would find them: its sequence's slots up to its
+        position, in order, then masked slots. So a row is computed by the same kernel, over the same keys, whether
+        it comes alone (a one-token step) or inside a verify pass, a tree pass or a batch of sequences. Rows
+        whose key blocks end alike share one call, each row's heads reading only their own keys' heads.
+
+        The calls run on one thread: the CPU kernel gives each thread its own slice of one scratch buffer and
+        multiplies in it with MKL, whose small products give bits that depend on the buffer's alignment, so a
+        head's bits followed the thread the call's size gave it (measured: 1 ulp apart). On one thread every head
+        uses the same slice. (As a batch of rows over a stride-0 view of the keys, a row's bits changed with the
+        batch's size too.)"""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._attend_row_calls(q, k, v, rows)
+        finally:
+            torch.set_num_threads(threads)
+
+    @staticmethod
+    def _attend_row_calls(q, k, v, rows: RowGroups):
+        B, H, T, D = q.shape
+        if len(rows.calls) == 1 and B == 1 and rows.calls[0].whole:  # one sequence, one block: no scatter
+            c = rows.calls[0]
+            y = F.scaled_dot_product_attention(q.reshape(1, H * T, 1, D), k[:, :, :c.n], v[:, :, :c.n],
+                                               attn_mask=c.masks(H), enable_gqa=True)
+            return y.view(1, H, T, D)
+        out = q.new_empty(B, H, T, D)
+        for c in rows.calls:
+            nb, r = c.qb.shape
+            qg = q[c.qb, :, c.qt].transpose(1, 2).reshape(1, nb * H * r, 1, D)  # kv head j serves G * r heads
+            y = F.scaled_dot_product_attention(qg, *c.keys(k, v), attn_mask=c.masks(H), enable_gqa=True)
+            out[c.qb[c.real], :, c.qt[c.real]] = y.view(nb, H, r, D).transpose(1, 2)[c.real]
+        return out
 
 
-@dataclass
 class RowGroups:
-    """Row-exact attention's plan for one pass of one sequence, made once for all layers: spans (a, b, n, mask) of
-    consecutive rows a..b-1 whose key blocks end alike, which read the first n cache slots under an additive mask
-    (0 where the slot is at or before the row's position, -inf after) laid out per query head (`_HeadMasks`)."""
-    spans: list
+    """Row-exact attention's plan for one pass, made once for all layers: one `_RowCall` per key block end
+    (`row_keys` of the rows' positions). Query row (b, t) reads, in order, the slots it would read in a one-token
+    step of its own chain: slots 0..position of cache row b (slot == position), or, for a tree pass, the slots
+    its `reads` row allows (the context, then its ancestors, then itself), gathered into a block of their own."""
+
+    def __init__(self, calls: list[_RowCall]):
+        self.calls = calls
 
     @classmethod
-    def of(cls, positions: torch.Tensor) -> RowGroups:
-        pos = positions[0]
-        ends = [row_keys(p) for p in pos.tolist()]
-        spans, a = [], 0
-        while a < len(ends):
-            b = a + 1
-            while b < len(ends) and ends[b] == ends[a]:
-                b += 1
-            later = torch.arange(ends[a]) > pos[a:b, None]  # [rows, n]
-            spans.append((a, b, ends[a], _HeadMasks(torch.zeros(later.shape).masked_fill_(later, float("-inf")))))
-            a = b
-        return cls(spans)
+    def of(cls, positions: torch.Tensor, reads: torch.Tensor | None = None) -> RowGroups:
+        """positions [B, T]; reads [B, T, L] bool (a tree pass: which slots each row reads), or None: every row
+        reads its own cache row's slots up to its position."""
+        prefix: dict[int, list[tuple[int, int]]] = {}
+        gather: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        for b, row in enumerate(positions.tolist()):
+            for t, p in enumerate(row):
+                n = row_keys(p)
+                if reads is None:
+                    prefix.setdefault(n, []).append((b, t))
+                    continue
+                slots = reads[b, t].nonzero().flatten()
+                if len(slots) != p + 1:
+                    raise ValueError(f"row-exact attention: row {t} at position {p} reads {len(slots)} slots, "
+                                     f"not the {p + 1} of a chain")
+                if int(slots[-1]) == p:  # its chain's slots 0..p in place (a chain, or a tree's first path)
+                    prefix.setdefault(n, []).append((b, t))
+                else:
+                    gather.setdefault(n, []).append((b, t, slots))
+        calls = [_RowCall.prefix(n, members, positions) for n, members in prefix.items()]
+        calls += [_RowCall.gathered(n, members, positions) for n, members in gather.items()]
+        return cls(calls)
 
 
-class _HeadMasks:
-    """A span's [rows, n] additive mask as SDPA's [1, heads * rows, 1, n] for each head count asked (made once)."""
+class _RowCall:
+    """One attention call of row-exact rows whose keys end alike (n slots). Queries `qb`, `qt` [nb, r] (batch row,
+    time index; `real` marks the ones that are not padding), laid out as nb key sequences of r rows each: a prefix
+    call's sequences are cache rows b0 .. b0 + nb - 1 read in place; a gathered call's are `slots` [nb, n] of the
+    rows' own cache rows, one row per sequence. `rows_mask` [nb, r, n]: 0 where a row may read the slot, -inf
+    after its position."""
 
-    def __init__(self, rows_mask: torch.Tensor):
-        self.rows_mask, self.by_heads = rows_mask, {}
+    def __init__(self, n, qb, qt, real, rows_mask, b0=None, slots=None):
+        self.n, self.qb, self.qt, self.real, self.rows_mask = n, qb, qt, real, rows_mask
+        self.b0, self.slots, self.by_heads = b0, slots, {}
+        self.whole = bool(real.all()) and qt.shape[0] == 1 and slots is None and b0 == 0 and bool(
+            (qt[0] == torch.arange(qt.shape[1])).all())  # all the rows of one sequence, in order
 
-    def get(self, heads: int) -> torch.Tensor:
+    @classmethod
+    def prefix(cls, n: int, members: list[tuple[int, int]], positions: torch.Tensor) -> _RowCall:
+        b0, b1 = min(b for b, _ in members), max(b for b, _ in members) + 1
+        per = [[t for b, t in members if b == s] for s in range(b0, b1)]
+        r = max(map(len, per))
+        qt = torch.tensor([ts + [0] * (r - len(ts)) for ts in per])  # padding queries: row 0, output dropped
+        real = torch.tensor([[True] * len(ts) + [False] * (r - len(ts)) for ts in per])
+        qb = torch.arange(b0, b1)[:, None].expand(b1 - b0, r)
+        pos = positions[qb, qt]
+        mask = torch.zeros(b1 - b0, r, n).masked_fill_(torch.arange(n) > pos[..., None], float("-inf"))
+        mask[~real] = 0.0  # a padding query reads every slot (never all -inf)
+        return cls(n, qb, qt, real, mask, b0=b0)
+
+    @classmethod
+    def gathered(cls, n: int, members: list[tuple[int, int, torch.Tensor]], positions: torch.Tensor) -> _RowCall:
+        qb = torch.tensor([[b] for b, _, _ in members])
+        qt = torch.tensor([[t] for _, t, _ in members])
+        slots = torch.zeros(len(members), n, dtype=torch.long)  # past a row's own slots: slot 0, masked
+        for i, (_, _, s) in enumerate(members):
+            slots[i, :len(s)] = s
+        pos = positions[qb, qt]
+        mask = torch.zeros(len(members), 1, n).masked_fill_(torch.arange(n) > pos[..., None], float("-inf"))
+        return cls(n, qb, qt, torch.ones(len(members), 1, dtype=torch.bool), mask, slots=slots)
+
+    def keys(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The call's keys and values [1, nb * kv heads, n, D]: views of the cache, or gathered copies."""
+        nb, kvh, D = self.qb.shape[0], k.shape[1], k.shape[3]
+        if self.slots is None:
+            sl = slice(self.b0, self.b0 + nb)
+            return k[sl, :, :self.n].reshape(1, nb * kvh, self.n, D), v[sl, :, :self.n].reshape(1, nb * kvh, self.n, D)
+        rows = self.qb[:, :1]
+        return tuple(c[rows, :, self.slots].transpose(1, 2).reshape(1, nb * kvh, self.n, D) for c in (k, v))
+
+    def masks(self, heads: int) -> torch.Tensor:
+        """rows_mask as SDPA's [1, nb * heads * r, 1, n] (made once per head count)."""
         if heads not in self.by_heads:
-            rows, n = self.rows_mask.shape
-            self.by_heads[heads] = self.rows_mask.expand(heads, rows, n).reshape(1, heads * rows, 1, n)
+            nb, r, n = self.rows_mask.shape
+            self.by_heads[heads] = self.rows_mask[:, None].expand(nb, heads, r, n).reshape(1, nb * heads * r, 1, n)
         return self.by_heads[heads]
 
 
@@ -393,6 +467,9 @@ class Transformer(nn.Module):
         return head_index if self.draft_vocab_ids is None else self.draft_vocab_ids[head_index]
 
     def new_cache(self, batch: int, capacity: int, dtype=torch.float32) -> KVCache:
+        """A cache of at least `capacity` slots per row (a row-exact model's: a multiple of ROW_BUCKET)."""
+        if self.row_exact:
+            capacity = -(-capacity // ROW_BUCKET) * ROW_BUCKET
         return KVCache.for_model(self.config, batch, capacity, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
@@ -433,6 +510,12 @@ class Transformer(nn.Module):
                 raise ValueError(f"slot {length - 1} exceeds KV cache capacity {cache.capacity}")
             if mask.shape != (B, 1, T, length):
                 raise ValueError(f"mask {tuple(mask.shape)} must be {(B, 1, T, length)}")
+            if self.row_exact:  # each node reads the keys its own chain would hold, laid out as the chain's
+                rows = RowGroups.of(positions, mask[:, 0])
+                self._check_row_exact_cache(cache)
+                for layer in m.layers:
+                    x = layer(x, cos, sin, slots, rows, cache, cache.capacity)
+                return m.norm(x[:, -1:] if last_only else x)
             if self.compiled_step is not None and T <= COMPILED_MAX_T:  # the static shape reads every slot
                 full = torch.zeros(B, 1, T, cache.capacity, dtype=torch.bool)
                 full[..., :length] = mask
@@ -446,9 +529,7 @@ class Transformer(nn.Module):
             if length > cache.capacity:
                 raise ValueError(f"position {length - 1} exceeds KV cache capacity {cache.capacity}")
             if self.row_exact:
-                if B != 1 or cache.capacity % ROW_BUCKET:
-                    raise ValueError(f"row-exact attention runs one sequence in a cache whose capacity is a "
-                                     f"multiple of {ROW_BUCKET}; got {B} rows, capacity {cache.capacity}")
+                self._check_row_exact_cache(cache)
                 rows = RowGroups.of(positions)
                 for layer in m.layers:
                     x = layer(x, cos, sin, positions, rows, cache, cache.capacity)
@@ -474,6 +555,12 @@ class Transformer(nn.Module):
         if last_only:
             x = x[:, -1:]
         return m.norm(x)
+
+    @staticmethod
+    def _check_row_exact_cache(cache: KVCache) -> None:
+        if cache.capacity % ROW_BUCKET:
+            raise ValueError(f"row-exact attention reads whole blocks of {ROW_BUCKET} slots: the cache's capacity "
+                             f"must be a multiple of {ROW_BUCKET}, got {cache.capacity}")
 
     row_exact = False  # cached steps attend row by row (`Attention._attend_rows`): a target whose verify passes
     # equal its one-token steps bit for bit wherever its linears are row-exact too (w8a8.py)

@@ -18,7 +18,7 @@ from drafter_lib.packed.config_keys import ENGINE_DTYPES
 from drafter_lib.study.config_sections import ConfigSections
 
 DEVICES = ("cpu", "cuda", "mps")
-BACKENDS = ("auto", "native", "hf", "vllm")
+BACKENDS = ("auto", "native", "hf", "vllm", "runtime")
 GROUP_BY = ("category", "source")
 CHECKPOINTS = ("best", "best_distill")
 
@@ -240,7 +240,7 @@ def _check_writer(writer, backend: str) -> None:
     path = repo_path(writer)
     _need((path / "manifest.json").is_file() or (path / "config.json").is_file(), "teacher.writer",
           f"{path} is neither a packed model dir (manifest.json) nor a checkpoint folder (config.json)")
-    _need(backend != "vllm", "teacher.writer", "the teacher scores on the native or hf backend, not vllm")
+    _need(backend != "vllm", "teacher.writer", "the teacher scores on the native, runtime or hf backend, not vllm")
 
 
 def _check_device(device: str) -> None:
@@ -301,6 +301,13 @@ def check(cfg: ConfigSections, check_models: bool = True, allow_download: bool =
     _at_least(t.max_new_tokens, 1, "teacher.max_new_tokens")
     _at_least(t.batch_size, 1, "teacher.batch_size")
     _need(t.backend in BACKENDS, "teacher.backend", f"expected one of {BACKENDS}, got {t.backend!r}")
+    if t.numerics is not None:
+        from drafter_lib.decoding.runtime import NUMERICS
+
+        _need(t.backend == "runtime", "teacher.numerics", f"a setting of teacher.backend='runtime' (got {t.backend!r})")
+        _need(t.numerics in NUMERICS, "teacher.numerics", f"expected one of {NUMERICS} or null, got {t.numerics!r}")
+    _need(t.backend != "runtime" or s.device == "cpu", "teacher.backend",
+          f"'runtime' runs the target runtime on the CPU, but study.device is {s.device!r}")
     _at_least(t.soft_topk, 0, "teacher.soft_topk")
     _need(not t.soft_prompt or t.soft_topk > 0, "teacher.soft_prompt", "needs teacher.soft_topk > 0")
     if t.writer is not None:

@@ -172,7 +172,8 @@ def generate_targets(cfg: config.StudyConfig, run: RunLayout):
         vllm_options = {"tensor_parallel_size": t.tensor_parallel_size} if vllm else None
         stats = teacher.generate_targets(prompts, model, tok, run.targets, max_new_tokens=t.max_new_tokens,
                                          batch_size=t.batch_size, backend=t.backend, teacher_id=cfg.study.teacher,
-                                         soft_topk=t.soft_topk, soft_prompt=t.soft_prompt, vllm_options=vllm_options)
+                                         soft_topk=t.soft_topk, soft_prompt=t.soft_prompt, vllm_options=vllm_options,
+                                         numerics=t.numerics)
     write_json(run.teacher_stats, stats)
     return stats, tok
 
@@ -188,7 +189,7 @@ def score_drafter_rows(cfg: config.StudyConfig, run: RunLayout, prompts, model, 
                                   batch_size=t.batch_size)
     scored = score_targets(run.drafted, model, tok, run.targets, soft_topk=t.soft_topk, soft_prompt=t.soft_prompt,
                            hard_labels=True, batch_size=t.score_batch_size, backend=t.backend,
-                           teacher_id=cfg.study.teacher)
+                           teacher_id=cfg.study.teacher, numerics=t.numerics)
     seconds = drafted["seconds"] + scored["seconds"]
     return {"mode": "score", "writer": t.writer, "draft": drafted, "score": scored, "seconds": seconds,
             "new_tokens": scored["scored_tokens"], "tokens_per_s": scored["scored_tokens"] / max(seconds, 1e-9)}

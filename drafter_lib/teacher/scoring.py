@@ -82,11 +82,13 @@ def score_targets(
     flush_rows: int | None = None,
     on_batch: Callable[[int, list[dict]], None] | None = None,
     progress: bool = True,
+    numerics: str | None = None,
 ) -> dict:
     """Score this shard of the rows of `rows_path` with the teacher `model` into `out_path`, resuming if it exists.
 
     batch_size: rows per forward pass (length-sorted, right-padded). backend: "native" (the hand-written decoder),
-    "hf" or "auto" (`decoding.backends.make_backend`); vllm does not score. flush_rows (default batch_size): rows
+    "runtime" (the target runtime in `numerics`), "hf" or "auto" (`decoding.backends.make_backend`); vllm does not
+    score. flush_rows (default batch_size): rows
     per append and soft part. `on_batch(flush_index, rows)` runs after each flush. Returns stats: rows written now,
     rows already done, scored (continuation) tokens, forward tokens, seconds, scored tokens/s."""
     if batch_size < 1:
@@ -96,16 +98,18 @@ def score_targets(
     if not soft_topk and not hard_labels:
         raise ValueError("scoring stores soft labels (soft_topk > 0), hard labels (hard_labels), or both: got neither")
     if backend == "vllm":
-        raise ValueError("scoring runs on the native or hf backend, not vllm")
+        raise ValueError("scoring runs on the native, runtime or hf backend, not vllm")
     rows = read_rows_to_score(rows_path, model.config.vocab_size)
     source = {"file": repo_relative(rows_path), "rows": len(rows), "sha256": sha256_file(Path(rows_path))}
     generation = {"mode": "score", "source": source, "hard_labels": hard_labels,
                   "stop_ids": stop_token_ids(tokenizer), "chat_template_sha256": chat_template_sha256(tokenizer)}
     if soft_topk:
         generation.update(soft_topk=soft_topk, soft_prompt=soft_prompt)
+    gen = make_backend(backend, model, tokenizer, numerics=numerics)
+    if gen.name == "runtime":  # its numerics differ from the others': a resume must not mix them
+        generation.update(backend="runtime", numerics=gen.numerics)
     meta = {"format_version": FORMAT_VERSION, "teacher": teacher_record(model, teacher_id, teacher_revision),
             "generation": generation, "shard_index": shard_index, "num_shards": num_shards}
-    gen = make_backend(backend, model, tokenizer)
     mine = select_shard(rows, shard_index, num_shards)
 
     n_scored, n_forward, t0 = 0, 0, time.perf_counter()

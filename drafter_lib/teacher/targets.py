@@ -14,11 +14,12 @@ With `soft_topk=K > 0` the stage also stores the teacher's top-K log-probabiliti
 and a resumed run first drops part rows that never reached the targets file, so no row is lost or stored twice.
 
 Backends (`drafter_lib.decoding.backends`): "native" (hand-written decoder, continuous batching, CPU), "hf"
-(transformers generate, GPU or architectures the native path lacks) and "vllm" (vLLM's offline engine on GPUs,
-tensor parallel; `drafter_lib.decoding.vllm_backend`); "auto" picks native or hf. All three stream the same rows,
-so the file, its soft labels, sharding and resume are the same whichever ran; a vllm run records
-`"backend": "vllm"` and its tensor_parallel_size in the meta's generation settings (its kernels differ from the
-others', so a resume must not mix them).
+(transformers generate, GPU or architectures the native path lacks), "vllm" (vLLM's offline engine on GPUs,
+tensor parallel; `drafter_lib.decoding.vllm_backend`) and "runtime" (the target runtime batched, row-exact: each row
+is the runtime's own plain greedy answer); "auto" picks native or hf. All stream the same rows, so the file, its
+soft labels, sharding and resume are the same whichever ran; a runtime run records `"backend": "runtime"` and its
+numerics, a vllm run `"backend": "vllm"` and its tensor_parallel_size in the meta's generation settings (their
+kernels differ from the others', so a resume must not mix them).
 
 The row file, its meta and resume are `row_file`'s, shared with the two other modes of the CLI (`main`):
 `--score ROWS` (`scoring`: the teacher's labels for continuations written by someone else, one teacher-forced pass
@@ -38,7 +39,8 @@ from tqdm.auto import tqdm
 from drafter_lib.common.chat import cut_at_stop, encode_chat, prompt_messages, stop_token_ids
 from drafter_lib.common.files import read_json, read_jsonl, read_rows, write_json, write_jsonl
 from drafter_lib.common.layout import repo_relative
-from drafter_lib.decoding.backends import make_backend
+from drafter_lib.decoding.backends import BACKEND_NAMES, make_backend
+from drafter_lib.decoding.runtime import NUMERICS
 from drafter_lib.teacher.row_file import (
     FORMAT_VERSION,
     RowWriter,
@@ -129,6 +131,7 @@ def generate_targets(
     schedule: str = "continuous",
     native_options: dict | None = None,
     vllm_options: dict | None = None,
+    numerics: str | None = None,
 ) -> dict:
     """Write greedy teacher continuations for this shard of `records` to `out_path`, resuming if it exists.
 
@@ -139,6 +142,7 @@ def generate_targets(
     (float32 = exact default). schedule: "continuous" (refill finished slots) or "static" (native only).
     native_options: the native backend's speed settings (`teacher_backends.NativeBackend`; benchmarks compare them).
     vllm_options: the vllm backend's settings (`vllm_backend.VLLMBackend`: tensor_parallel_size, chunk_rows, ...).
+    numerics: the runtime backend's linears (`decoding.runtime.NUMERICS`; None: its default), recorded in the meta.
     `on_batch(flush_index, rows)` runs after each flush (progress hooks, tests). Returns stats: rows written now,
     rows already done, new tokens, seconds, tokens/s.
     """
@@ -157,11 +161,13 @@ def generate_targets(
         generation.update(soft_topk=soft_topk, soft_prompt=soft_prompt)
     if backend == "vllm":
         generation.update(backend="vllm", tensor_parallel_size=int((vllm_options or {}).get("tensor_parallel_size", 1)))
-    meta = {"format_version": FORMAT_VERSION, "teacher": teacher_record(model, teacher_id, teacher_revision),
-            "generation": generation, "shard_index": shard_index, "num_shards": num_shards}
     # the backend before any file: one that cannot start (vllm missing, no model folder) leaves nothing behind
     gen = make_backend(backend, model, tokenizer, dtype=native_dtype, schedule=schedule, vllm_options=vllm_options,
-                       **(native_options or {}))
+                       numerics=numerics, **(native_options or {}))
+    if gen.name == "runtime":  # its numerics are not the fp32 decoder's: a resume must not mix them
+        generation.update(backend="runtime", numerics=gen.numerics)
+    meta = {"format_version": FORMAT_VERSION, "teacher": teacher_record(model, teacher_id, teacher_revision),
+            "generation": generation, "shard_index": shard_index, "num_shards": num_shards}
     mine = select_shard(records, shard_index, num_shards)
     ids = [record_id(r) for r in mine]
     if len(set(ids)) != len(ids):
@@ -232,7 +238,9 @@ def main(argv=None):
     ap.add_argument("--teacher", default="smollm2-135m-instruct")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--backend", default="auto", choices=["auto", "native", "hf", "vllm"])
+    ap.add_argument("--backend", default="auto", choices=list(BACKEND_NAMES))
+    ap.add_argument("--numerics", default=None, choices=list(NUMERICS),
+                    help=f"the runtime backend's linears (default: {NUMERICS[0]})")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per vLLM engine (--backend vllm)")
     ap.add_argument("--shard-index", type=int, default=0)
     ap.add_argument("--num-shards", type=int, default=1)
@@ -273,13 +281,15 @@ def main(argv=None):
             stats = score_targets(args.score, model, tok, args.out, soft_topk=args.soft_topk,
                                   soft_prompt=args.soft_prompt, hard_labels=args.hard_labels,
                                   batch_size=args.batch_size, backend=args.backend, shard_index=args.shard_index,
-                                  num_shards=args.num_shards, teacher_id=args.teacher, teacher_revision=rev)
+                                  num_shards=args.num_shards, teacher_id=args.teacher, teacher_revision=rev,
+                                  numerics=args.numerics)
         else:
             stats = generate_targets(_load_records(args.prompts), model, tok, args.out,
                                      max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                                      backend=args.backend, shard_index=args.shard_index, num_shards=args.num_shards,
                                      teacher_id=args.teacher, teacher_revision=rev, soft_topk=args.soft_topk,
                                      soft_prompt=args.soft_prompt, native_dtype=args.native_dtype,
+                                     numerics=args.numerics,
                                      vllm_options={"tensor_parallel_size": args.tensor_parallel_size}
                                      if args.backend == "vllm" else None)
     except (FileNotFoundError, ValueError) as e:  # bad input: one line naming the problem, no traceback

@@ -112,3 +112,29 @@ def test_summary_bar_prints_one_line_at_its_end(capsys):
     list(progress.SummaryBar(range(4), desc="inner", leave=False))
     list(progress.SummaryBar(range(4), desc="off", disable=True))
     assert capsys.readouterr().out == ""  # left nothing, as a live bar would
+
+
+def test_a_kernel_watched_by_a_person_keeps_the_live_bar(monkeypatch):
+    """The rule as a kernel sees it: JupyterLab runs a cell with stdin allowed (a person can answer input()), an
+    executor (nbclient, under papermill) without; only the first gets tqdm's live widget."""
+    from jupyter_client.manager import start_new_kernel
+
+    from drafter_lib.common.layout import REPO_ROOT
+
+    monkeypatch.setenv("PYTHONPATH", str(REPO_ROOT))
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        seen = {True: [], False: []}
+        for allow_stdin, out in seen.items():
+            kc.execute_interactive("from tqdm.notebook import tqdm as widget_bar\n"
+                                   "from drafter_lib.common import progress\n"
+                                   "bar = progress.progress_bar(range(2))\n"
+                                   "print(progress.live_display(), isinstance(bar, widget_bar),"
+                                   " isinstance(bar, progress.SummaryBar))",
+                                   allow_stdin=allow_stdin, timeout=120,
+                                   output_hook=lambda m, out=out: out.extend(m["content"].get("text", "").split()))
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    assert seen[True] == ["True", "True", "False"]
+    assert seen[False] == ["False", "False", "True"]

@@ -91,3 +91,19 @@ def generation_runtime(generation_dirs):
     from drafter_lib.decoding.runtime import load_target_runtime
 
     return load_target_runtime(str(generation_dirs[0]))
+
+
+@pytest.fixture(scope="session")
+def smoke_run():
+    """A smoke run made by the CLI at runs/<name>/ in the repository (where a notebook's run_dir points): every
+    stage's notebook executed through papermill. Shared by the study and notebook tests. -> the CLI's report."""
+    import shutil
+    import uuid
+
+    from drafter_lib.common.layout import RunLayout
+    from drafter_lib.study import run as study
+
+    name = f"pytest-smoke-{uuid.uuid4().hex[:8]}"
+    res = study.main(["--preset", "smoke", "--name", name, "--quiet"])
+    yield res
+    shutil.rmtree(RunLayout.named(name).root, ignore_errors=True)

@@ -190,5 +190,14 @@ def test_report_has_every_drafter_per_category_and_position(tiny_target, tmp_pat
     assert "split" in ev.origin_table(m["acceptance_by_origin"])
     table = ev.baselines_table(m["baselines"], k, m["prompts_per_category"])
     assert f"{MULTI_TURN}  " in table and "p@4" in table
+    # the same tables as DataFrames (what the notebook shows), one row per drafter, cells as in the text
+    frames = ev.report_frames(m)
+    summary, by_origin, intervals, paired = frames.values()
+    assert list(summary.index) == list(m["baselines"]) and list(summary.columns) == ["MAL", "steps", "p@1", "p@2",
+                                                                                     "p@4"]
+    assert summary.loc["self", "MAL"] == f"{m['baselines']['self']['mean_acceptance_length']:.3f}"
+    assert set(by_origin.columns) == {"sets", "split"} and list(intervals.columns)[0] == "all"
+    assert list(paired.index) == ["self"] and "minus n-gram lookup" in list(frames)[3]
+    assert not any("tree" in title for title in frames)  # no tree budgets
     pngs = ev.save_plots(m, tmp_path / "plots")
     assert [p.name for p in pngs][-1] == "category_heatmap.png" and pngs[-1].stat().st_size > 5000

@@ -3,8 +3,6 @@ teacher); its artifacts; a notebook run as-is from notebooks/ (as JupyterLab wou
 rerunning only the stages whose config changed."""
 import json
 import os
-import shutil
-import uuid
 
 import nbformat
 import pytest
@@ -33,15 +31,6 @@ def test_presets_and_overrides():
     for stage in study.STAGES:
         declared = set(papermill.inspect_notebook(str(NOTEBOOKS_DIR / f"{stage}.ipynb")))
         assert declared == {"run_dir", "preset", "overrides"}, stage
-
-
-@pytest.fixture(scope="module")
-def smoke_run():
-    """A smoke run made by the CLI at runs/<name>/ in the repository (where a notebook's run_dir points)."""
-    name = f"pytest-smoke-{uuid.uuid4().hex[:8]}"
-    res = study.main(["--preset", "smoke", "--name", name, "--quiet"])
-    yield res
-    shutil.rmtree(RunLayout.named(name).root, ignore_errors=True)
 
 
 def test_smoke_study_runs_every_stage(smoke_run):

@@ -281,6 +281,10 @@ def test_run_evaluation_writes_tree_rows(tiny_target, tmp_path):
     table = ev.tree_table(m)
     assert "packed tree 8" in table and "minus its chain" in table and "left out: packed + copy prior" in table
     assert "packed tree 8" in ev.interval_table(m) and "packed tree 8" in ev.baselines_table(m["baselines"], k)
+    frames = ev.report_frames(m)
+    trees = next(t for title, t in frames.items() if title.startswith("draft trees"))
+    assert list(trees.index) == list(m["trees"]) and trees.loc["packed tree 4", "budget"] == "4"
+    assert frames["tree rows left out"]["reason"].str.contains("packed \\+ copy prior").all()
     curves = ev.tree_curves(m)
     assert [p["label"] for p in curves["packed"]] == ["chain 4", "tree 4", "tree 8"]
     assert [p["budget"] for p in curves["packed"]] == [4, 4, 8]

@@ -18,10 +18,9 @@ import random
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from drafter_lib.common.files import sha256_file, write_json, write_jsonl
 from drafter_lib.common.layout import repo_relative
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.data.prompt_files import (  # noqa: F401  (the readers are part of this module's API)
     KEEP_ROLES,
     humaneval_path,
@@ -234,7 +233,7 @@ def build_prompt_set(run_dir, sources: list[dict] | None = None, weights: dict[s
         raise ValueError(f"mixture weights must be >= 0, got {weights}")
 
     pool, provs, stats = [], {}, defaultdict(dict)
-    for src in tqdm(sources, desc="load sources"):
+    for src in progress_bar(sources, desc="load sources"):
         recs, prov = load_source(src)
         provs[prov["name"]] = prov
         stats[prov["name"]]["loaded"] = len(recs)

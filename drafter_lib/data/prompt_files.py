@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from tqdm.auto import tqdm
+from drafter_lib.common.progress import progress_bar
 
 KEEP_ROLES = ("system", "user")
 
@@ -160,7 +160,7 @@ def load_hf_dataset(dataset: str, revision: str, split: str = "train", config: s
     ds = load_dataset(dataset, config, split=split, revision=revision)
     name = dataset.split("/")[-1]
     out = []
-    for i, row in enumerate(tqdm(ds, desc=f"read {name}", total=len(ds))):
+    for i, row in enumerate(progress_bar(ds, desc=f"read {name}", total=len(ds))):
         if limit is not None and len(out) >= limit:
             break
         rec = record_from_row(row, name, i, category, turns)

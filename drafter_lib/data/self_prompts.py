@@ -14,7 +14,8 @@ import json
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+
+from drafter_lib.common.progress import progress_bar
 
 CORPUS = "self_prompts"
 _MARK = "\u2063specdraft-user-turn\u2063"  # a placeholder no template rewrites
@@ -148,7 +149,7 @@ def self_prompts(model, tokenizer, n: int, seed: int = 0, cache_path: str | Path
         chosen = make_backend(cfg["backend"], model, tokenizer)
         sample, net = (sample_native, chosen.model) if isinstance(chosen, NativeBackend) else (sample_hf, model)
     max_batches = max(1, -(-4 * n // batch_rows))
-    bar = tqdm(total=n, initial=min(len(by_text), n), desc="self prompts", unit="turn", disable=not progress)
+    bar = progress_bar(total=n, initial=min(len(by_text), n), desc="self prompts", unit="turn", disable=not progress)
     while len(by_text) < n and next_batch < max_batches:
         new = []  # the batch's turns not seen before (maybe none: the line still marks the batch as drawn)
         rows = sample(net, header, batch_rows, seed * 100003 + next_batch, max_new_tokens, temperature, top_p, stop,

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from drafter_lib.common.checks import check_token_ids
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.decoding.speculative import NativeTarget, accepted_length
 from drafter_lib.model.transformer import KVCache, Transformer
 
@@ -167,7 +167,7 @@ def stream_generate(model: Transformer, prompts: Sequence[Sequence[int]], max_ne
     first = [queue[j] for j in range(nslots)]
     cache = model.new_cache(nslots, round_up(max(len(prompts[i]) for i in first) + max_new_tokens), torch.float32)
     slots: list[_Slot | None] = [None] * nslots
-    bar = tqdm(total=len(prompts), disable=not progress, desc="generate", unit="row")
+    bar = progress_bar(total=len(prompts), disable=not progress, desc="generate", unit="row")
 
     def accept(s: int, tok: int, sid=None, slp=None) -> Finished | None:
         sl = slots[s]

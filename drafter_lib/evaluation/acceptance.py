@@ -28,8 +28,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tqdm.auto import tqdm
-
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.decoding.speculative import accepted_length, mean_acceptance_length
 from drafter_lib.decoding.tree import DraftTree, check_bounds, tree_accepted_length
 
@@ -197,7 +196,7 @@ def simulate(drafter, prompts: Sequence[Sequence[int]], references: Sequence[Seq
     sizes = draft_sizes(k, grow)
     drafted = depths = 0
     t0 = time.perf_counter()
-    bar = tqdm(total=sum(len(r) for r in references), desc=desc, unit="tok", leave=False)
+    bar = progress_bar(total=sum(len(r) for r in references), desc=desc, unit="tok", leave=False)
 
     def step(s: int, a: int, window: Sequence[int]) -> None:  # one target step of sequence s: a drafts accepted
         overall.add(a, len(window))

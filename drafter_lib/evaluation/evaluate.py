@@ -28,10 +28,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from drafter_lib.common.chat import encode_chat, prompt_messages, stop_token_ids
 from drafter_lib.common.files import read_jsonl, write_json, write_jsonl
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.data.heldout import conversation_items, load_heldout_sets, round_robin, with_answers
 from drafter_lib.decoding.backends import make_backend
 from drafter_lib.decoding.speculative import as_target, mean_acceptance_length, speculative_generate
@@ -101,7 +100,7 @@ def greedy_references(model, tokenizer, prompts: Sequence[Sequence[int]], max_ne
     stop = stop_token_ids(tokenizer)
     out: list[list[int]] = [None] * len(prompts)  # type: ignore[list-item]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # similar lengths share a batch
-    for b0 in tqdm(range(0, len(order), batch_size), desc="target greedy", leave=False):
+    for b0 in progress_bar(range(0, len(order), batch_size), desc="target greedy", leave=False):
         idx = order[b0:b0 + batch_size]
         conts = gen.generate([list(prompts[i]) for i in idx], max_new_tokens, stop)
         for i, c in zip(idx, conts):
@@ -169,7 +168,7 @@ def end_to_end(model, drafter, prompts: Sequence[Sequence[int]], max_new_tokens:
     base_s = spec_s = draft_s = 0.0
     steps = ntok = 0
     mismatches = []
-    for n, p in enumerate(tqdm(prompts, desc="end-to-end", leave=False)):
+    for n, p in enumerate(progress_bar(prompts, desc="end-to-end", leave=False)):
         base = speculative_generate(target, p, max_new_tokens, None, k, stop)
         spec = speculative_generate(target, p, max_new_tokens, drafter, k, stop)
         base_s += base.seconds
@@ -227,26 +226,34 @@ def position_table(results: dict[str, dict]) -> str:
     return _fmt_table(["drafter"] + [f"p@{j + 1}" for j in range(kk)], rows)
 
 
+def _summary_rows(results: dict[str, dict], k: int | None = None) -> tuple[list[str], list[list[str]]]:
+    kk = k or len(next(iter(results.values()))["per_position_acceptance"])
+    pos = [p for p in POSITIONS if p <= kk]
+    rows = [[name, f"{r['mean_acceptance_length']:.3f}", str(r.get("steps", "-"))] +
+            [_rate(r["per_position_acceptance"][p - 1]) for p in pos] for name, r in results.items()]
+    return ["drafter", "MAL", "steps"] + [f"p@{p}" for p in pos], rows
+
+
 def baselines_table(results: dict[str, dict], k: int | None = None, counts: dict[str, int] | None = None) -> str:
     """Plain text: one row per drafter (MAL, target steps, a few positions' acceptance rates), then the
     per-category table (`category_table`, `counts` = prompts per category) and every position (`position_table`)."""
     if not results:
         return "(no results)"
-    kk = k or len(next(iter(results.values()))["per_position_acceptance"])
-    pos = [p for p in POSITIONS if p <= kk]
-    rows = [[name, f"{r['mean_acceptance_length']:.3f}", str(r.get("steps", "-"))] +
-            [_rate(r["per_position_acceptance"][p - 1]) for p in pos] for name, r in results.items()]
-    summary = _fmt_table(["drafter", "MAL", "steps"] + [f"p@{p}" for p in pos], rows)
+    summary = _fmt_table(*_summary_rows(results, k))
     return "\n\n".join([summary, "mean acceptance length per category:\n" + category_table(results, counts),
                          "acceptance rate per draft position:\n" + position_table(results)])
 
 
-def origin_table(by_origin: dict[str, dict]) -> str:
-    """MAL and first-position acceptance per drafter (rows) and prompt origin (columns)."""
+def _origin_rows(by_origin: dict[str, dict]) -> tuple[list[str], list[list[str]]]:
     origins = list(dict.fromkeys(o for r in by_origin.values() for o in r))
     rows = [[n] + [f"{r[o]['mean_acceptance_length']:.3f} / {_rate(r[o]['per_position_acceptance'][0])}"
                    if o in r else "-" for o in origins] for n, r in by_origin.items()]
-    return _fmt_table(["drafter (MAL / p@1)"] + origins, rows)
+    return ["drafter (MAL / p@1)"] + origins, rows
+
+
+def origin_table(by_origin: dict[str, dict]) -> str:
+    """MAL and first-position acceptance per drafter (rows) and prompt origin (columns)."""
+    return _fmt_table(*_origin_rows(by_origin))
 
 
 def write_metrics(path: str | Path, metrics: dict) -> None:
@@ -413,40 +420,73 @@ def tree_summary(results: dict[str, dict], trees: dict) -> dict[str, dict]:
     return out
 
 
+TREE_HEAD = ["tree", "budget", "nodes/step", "MAL [95 %]", "minus its chain [95 %]", "resolved"]
+
+
+def _tree_rows(metrics: dict) -> list[list[str]]:
+    rows = []
+    for name, t in (metrics.get("trees") or {}).items():
+        d = t.get("vs_chain")
+        rows.append([name, str(t["budget"]), f"{t['mean_nodes']:.1f}",
+                     bootstrap.fmt(metrics.get("mal_ci", {}).get(name, {}).get("all")),
+                     f"{d['difference']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" if d else "-",
+                     ("yes" if d["resolved"] else "no") if d else "-"])
+    return rows
+
+
 def tree_table(metrics: dict) -> str:
     """One row per tree row: its budget, mean nodes per step, MAL with its 95 % interval, and minus its chain row
     on the same prompts (paired) with whether that interval excludes 0; then why any tree rows were left out."""
-    trees = metrics.get("trees") or {}
-    lines = []
-    if trees:
-        rows = []
-        for name, t in trees.items():
-            d = t.get("vs_chain")
-            rows.append([name, str(t["budget"]), f"{t['mean_nodes']:.1f}",
-                         bootstrap.fmt(metrics.get("mal_ci", {}).get(name, {}).get("all")),
-                         f"{d['difference']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" if d else "-",
-                         ("yes" if d["resolved"] else "no") if d else "-"])
-        lines.append(_fmt_table(["tree", "budget", "nodes/step", "MAL [95 %]", "minus its chain [95 %]",
-                                 "resolved"], rows))
-    for reason in metrics.get("trees_left_out") or []:
-        lines.append(f"left out: {reason}")
+    rows = _tree_rows(metrics)
+    lines = [_fmt_table(TREE_HEAD, rows)] if rows else []
+    lines += [f"left out: {reason}" for reason in metrics.get("trees_left_out") or []]
     return "\n".join(lines) if lines else "(no tree rows: no tree budgets)"
+
+
+def _interval_parts(metrics: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    names = list(metrics["mal_ci"])
+    origins = list(dict.fromkeys(o for r in metrics.get("mal_ci_by_origin", {}).values() for o in r))
+    rows = [[n, bootstrap.fmt(metrics["mal_ci"][n]["all"])]
+            + [bootstrap.fmt(metrics["mal_ci_by_origin"].get(n, {}).get(o)) for o in origins] for n in names]
+    parts = [("mean acceptance length [95 % interval], overall and by origin", ["drafter", "all"] + origins, rows)]
+    diffs = [[n, f"{d['difference']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]", "yes" if d["resolved"] else "no"]
+             for n, d in metrics.get("paired_vs_primary", {}).items()]
+    if diffs:
+        parts.append((f"minus {metrics['primary']}, same prompts (paired)",
+                      ["drafter", "difference [95 %]", "resolved"], diffs))
+    return parts
 
 
 def interval_table(metrics: dict) -> str:
     """Each drafter's MAL with its 95 % interval overall and per origin (columns), then each drafter minus the
     primary on the same prompts, and whether the interval of that difference excludes 0."""
-    names = list(metrics["mal_ci"])
-    origins = list(dict.fromkeys(o for r in metrics.get("mal_ci_by_origin", {}).values() for o in r))
-    rows = [[n, bootstrap.fmt(metrics["mal_ci"][n]["all"])]
-            + [bootstrap.fmt(metrics["mal_ci_by_origin"].get(n, {}).get(o)) for o in origins] for n in names]
-    table = _fmt_table(["drafter", "all"] + origins, rows)
-    diffs = [[n, f"{d['difference']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]", "yes" if d["resolved"] else "no"]
-             for n, d in metrics.get("paired_vs_primary", {}).items()]
-    if diffs:
-        table += (f"\n\nminus {metrics['primary']}, same prompts (paired):\n"
-                  + _fmt_table(["drafter", "difference [95 %]", "resolved"], diffs))
-    return table
+    (_, head, rows), *diffs = _interval_parts(metrics)
+    return "\n\n".join([_fmt_table(head, rows)] + [f"{title}:\n" + _fmt_table(h, r) for title, h, r in diffs])
+
+
+def _frame(head: list[str], rows: list[list[str]]):
+    """A DataFrame of a text table: its first column the index."""
+    import pandas as pd
+
+    return pd.DataFrame([r[1:] for r in rows], columns=head[1:],
+                        index=pd.Index([r[0] for r in rows], name=head[0] or None))
+
+
+def report_frames(metrics: dict) -> dict[str, object]:
+    """The evaluation's tables beside the plots, as DataFrames (what a notebook shows) under their titles: each
+    drafter's summary (MAL, target steps, a few positions' acceptance), MAL and first-position acceptance by prompt
+    origin, the 95 % intervals and paired differences (`interval_table`), the tree rows (`tree_table`). The tables
+    a notebook builds from the metrics itself (per category, per position) are not repeated."""
+    parts = [("each drafter: mean acceptance length (bonus token included), target steps, acceptance by position",
+              *_summary_rows(metrics["baselines"], metrics["k"])),
+             ("by origin of the prompts: mean acceptance length / first-position acceptance",
+              *_origin_rows(metrics["acceptance_by_origin"]))]
+    parts += _interval_parts(metrics)
+    if trees := _tree_rows(metrics):
+        parts.append(("draft trees against their chain on the same prompts (paired)", TREE_HEAD, trees))
+    if left_out := metrics.get("trees_left_out"):
+        parts.append(("tree rows left out", ["", "reason"], [[str(i + 1), r] for i, r in enumerate(left_out)]))
+    return {title: _frame(head, rows) for title, head, rows in parts}
 
 
 def save_plots(metrics: dict, out_dir: str | Path) -> list[Path]:

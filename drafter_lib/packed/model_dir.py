@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
 from drafter_lib import quantization
 from drafter_lib.common.files import sha256_file, write_json
 from drafter_lib.common.layout import portable_value
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.model import draft_vocab
 from drafter_lib.packed.copy_policy import CopyPolicy
 
@@ -116,7 +116,7 @@ def write_model_dir(out_dir, hf_config: dict, state_dict: dict, qconfig, copy_po
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict] = {}
     num_params = 0
-    for name in tqdm(sorted(sd), desc="pack", leave=False, disable=len(sd) < 64):
+    for name in progress_bar(sorted(sd), desc="pack", leave=False, disable=len(sd) < 64):
         w = sd[name].detach().cpu()
         num_params += w.numel()
         spec = qconfig.spec_for(name, w)
@@ -276,7 +276,7 @@ def _read_tensors(weights: Path, entries: dict) -> dict[str, torch.Tensor]:
             raise ModelDirError(f"{where}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         if extra:
             raise ModelDirError(f"{where}: tensor(s) not listed in quantization.json: {extra[:5]}")
-        for name, e in tqdm(sorted(entries.items()), desc="restore", leave=False, disable=len(entries) < 64):
+        for name, e in progress_bar(sorted(entries.items()), desc="restore", leave=False, disable=len(entries) < 64):
             shape = tuple(e.get("shape", ()))
             if not e.get("quant"):
                 t = f.get_tensor(name)

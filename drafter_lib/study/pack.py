@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from drafter_lib import quantization
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.packed.config_keys import with_engine_settings
 from drafter_lib.packed.model_dir import read_model_dir, write_model_dir
 
@@ -145,7 +145,7 @@ def logit_agreement(fp_forward: Callable, packed_forward: Callable, token_batche
         num_positions}.
     """
     kl_sum, agree, n = 0.0, 0, 0
-    for batch in tqdm(token_batches, desc="logit agreement", leave=False):
+    for batch in progress_bar(token_batches, desc="logit agreement", leave=False):
         ids = torch.as_tensor(batch, dtype=torch.long)
         if ids.ndim == 1:
             ids = ids[None]

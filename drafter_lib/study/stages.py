@@ -25,11 +25,17 @@ from drafter_lib.study.config_sections import DEFAULT_SOURCE_WEIGHTS
 
 def init_runtime(num_threads: int | None = None) -> None:
     """Headless matplotlib (plots are saved as PNG, then shown), and torch's CPU threads: 1 is far faster for tiny
-    models and avoids OpenMP spin-wait stalls when the cores are shared with other work."""
+    models and avoids OpenMP spin-wait stalls when the cores are shared with other work. In a notebook executed by
+    papermill, the libraries' own bars (loading and saving weights) are off: their first frame would be saved."""
     import matplotlib
     import torch
+    from transformers.utils import logging as transformers_logging
+
+    from drafter_lib.common.progress import live_display
 
     matplotlib.use("Agg")
+    if not live_display():
+        transformers_logging.disable_progress_bar()  # and huggingface_hub's
     if num_threads:
         torch.set_num_threads(int(num_threads))
 
@@ -370,9 +376,4 @@ def evaluate_run(cfg: config.StudyConfig, run: RunLayout) -> dict:
     heldout.declare_eval_corpora(run.architecture, decls)
     evaluate.write_metrics(run.eval_metrics, metrics)
     evaluate.write_metrics(run.metrics, metrics)
-    print(evaluate.baselines_table(metrics["baselines"], e.k, metrics["prompts_per_category"]))
-    print("\nmean acceptance length, 95 % bootstrap interval over prompts:\n" + evaluate.interval_table(metrics))
-    print("\nby origin of the prompts:\n" + evaluate.origin_table(metrics["acceptance_by_origin"]))
-    if e.tree_budgets:
-        print("\ndraft trees (depth <= k), against their chain on the same prompts:\n" + evaluate.tree_table(metrics))
-    return metrics
+    return metrics  # its tables: evaluate.report_frames (DataFrames; a notebook shows them, not printed text)

@@ -19,11 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from drafter_lib.common.chat import cut_at_stop, encode_chat, prompt_messages, stop_token_ids
 from drafter_lib.common.checks import check_token_ids
 from drafter_lib.common.layout import repo_relative
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.engine.draft_engine import DEFAULT_MAX_BATCH_TOKENS, DraftEngine
 from drafter_lib.model.transformer import Transformer
 from drafter_lib.teacher.row_file import FORMAT_VERSION, RowWriter, chat_template_sha256, weights_sha256
@@ -110,7 +109,7 @@ def draft_continuations(
                            "chat_template_sha256": chat_template_sha256(tokenizer)}}
 
     n_tok, t0 = 0, time.perf_counter()
-    bar = tqdm(desc="drafter rows", unit="prompt", disable=not progress)
+    bar = progress_bar(desc="drafter rows", unit="prompt", disable=not progress)
 
     def flushed(index: int, rows: list[dict]):
         bar.update(len(rows))

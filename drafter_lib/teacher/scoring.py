@@ -18,12 +18,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from drafter_lib.common.chat import stop_token_ids
 from drafter_lib.common.checks import check_token_ids
 from drafter_lib.common.files import sha256_file
 from drafter_lib.common.layout import repo_relative
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.decoding.backends import make_backend
 from drafter_lib.teacher.row_file import FORMAT_VERSION, RowWriter, chat_template_sha256, teacher_record
 from drafter_lib.teacher.shards import select_shard
@@ -113,7 +112,7 @@ def score_targets(
     mine = select_shard(rows, shard_index, num_shards)
 
     n_scored, n_forward, t0 = 0, 0, time.perf_counter()
-    bar = tqdm(desc=f"score[{gen.name}] shard {shard_index}/{num_shards}", unit="row", disable=not progress)
+    bar = progress_bar(desc=f"score[{gen.name}] shard {shard_index}/{num_shards}", unit="row", disable=not progress)
 
     def flushed(index: int, done_rows: list[dict]):
         bar.update(len(done_rows))

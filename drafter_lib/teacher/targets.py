@@ -34,11 +34,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from drafter_lib.common.chat import cut_at_stop, encode_chat, prompt_messages, stop_token_ids
 from drafter_lib.common.files import read_json, read_jsonl, read_rows, write_json, write_jsonl
 from drafter_lib.common.layout import repo_relative
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.decoding.backends import BACKEND_NAMES, make_backend
 from drafter_lib.decoding.runtime import NUMERICS
 from drafter_lib.teacher.row_file import (
@@ -174,7 +173,8 @@ def generate_targets(
         raise ValueError("duplicate prompt ids in the input")
 
     n_tok, t0 = 0, time.perf_counter()
-    bar = tqdm(desc=f"teacher[{gen.name}] shard {shard_index}/{num_shards}", unit="prompt", disable=not progress)
+    bar = progress_bar(desc=f"teacher[{gen.name}] shard {shard_index}/{num_shards}", unit="prompt",
+                       disable=not progress)
 
     def flushed(index: int, rows: list[dict]):
         bar.update(len(rows))

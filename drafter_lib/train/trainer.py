@@ -42,11 +42,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
 
 from drafter_lib.common.files import write_json
 from drafter_lib.common.layout import TrainLayout
 from drafter_lib.common.plots import plot_losses
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.model.draft_vocab import head_targets, reduce_for_continuations, reduce_hf_model
 from drafter_lib.train import examples as train_data
 from drafter_lib.train.checkpoint import (
@@ -430,8 +430,8 @@ class Trainer:
             self._prepare(self.phase)
             self._eval_and_keep_best()  # step-0 validation loss of the untrained base
         stop = min(cfg.total_steps, cfg.stop_at_step or cfg.total_steps)
-        bar = tqdm(total=cfg.total_steps, initial=self.step, desc="train",
-                   disable=not (cfg.progress and acc.is_main_process))
+        bar = progress_bar(total=cfg.total_steps, initial=self.step, desc="train",
+                           disable=not (cfg.progress and acc.is_main_process))
         t0, toks = time.perf_counter(), 0
         while self.step < stop:
             if self.phase == "distill" and self.step >= cfg.steps:

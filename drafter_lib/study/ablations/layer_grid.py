@@ -8,10 +8,9 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from tqdm.auto import tqdm
-
 from drafter_lib.common.files import read_rows, to_jsonable, write_jsonl
 from drafter_lib.common.layout import LayerStudyLayout, RunLayout
+from drafter_lib.common.progress import write_above_bars
 from drafter_lib.study import config
 
 
@@ -76,7 +75,8 @@ def grid_cells(specs: dict, train_cfg: dict, vocab_sizes: Sequence | None = None
             try:
                 TrainConfig.from_dict({**d, "train_path": "-", "keep_layers": spec}).validate()
             except ValueError as e:
-                tqdm.write(f"skipping {cell_label(name, d['draft_vocab_size'], d['loss'], d['loss_on_prompt'])}: {e}")
+                label = cell_label(name, d['draft_vocab_size'], d['loss'], d['loss_on_prompt'])
+                write_above_bars(f"skipping {label}: {e}")
                 continue
             cells.append((name, d))
     if not cells:

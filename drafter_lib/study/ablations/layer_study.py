@@ -45,10 +45,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from drafter_lib.common.files import read_json, read_jsonl, write_jsonl
 from drafter_lib.common.layout import LayerStudyLayout, RunLayout, repo_relative
+from drafter_lib.common.progress import progress_bar
 from drafter_lib.evaluation.bootstrap import against_best
 from drafter_lib.study import config
 from drafter_lib.study.ablations import layer_costs
@@ -253,7 +253,7 @@ def run_layer_study(run_dir: str | Path, variants: Sequence, steps: int, out_dir
     done = {r["key"]: r for r in load_results(out.root)}
     jobs = [(name, d, h, f) for name, d, h in cells for f in fracs]
     rows, untrained = [], {}
-    bar = tqdm(jobs, desc="layer study", unit="run")
+    bar = progress_bar(jobs, desc="layer study", unit="run")
     for name, d, cell_hash, frac in bar:
         n_vocab, label = d["draft_vocab_size"], cell_label(name, d["draft_vocab_size"], d["loss"], d["loss_on_prompt"])
         key = json.dumps({"variant": name, "draft_vocab": n_vocab, "loss": d["loss"],

@@ -18,9 +18,10 @@ load hits all of them alike):
   native-soft-prompt-v20  the same without shared prefills: prompts prefilled one by one, the head in one product
   native-soft-prompt-v21  the same without per-block decode attention: every row attends up to the longest row
   native-bf16 / native-fp16   weights in bf16 / fp16 (activations fp32); fast only where the CPU has kernels
-  runtime-soft-prompt-16  the target runtime (W8A8 linears, row-exact attention; teacher.backend=runtime), top-16
-                          at every position: each row is the runtime's own plain greedy answer (tests/test_teacher.py),
-                          so its agreement with hf is the W8A8 runtime's fidelity to fp32, not an error
+  runtime-soft-prompt-16  the target runtime in its default numerics ("auto": the teacher's GGUF blocks where the
+                          kernel runs, else W8A8; row-exact attention; teacher.backend=runtime), top-16 at every
+                          position: each row is the runtime's own plain greedy answer (tests/test_teacher.py), so its
+                          agreement with hf is the runtime's fidelity to fp32, not an error
   runtime-w4a8-soft-prompt-16  the same with W4A8 linears
 Prints tokens/s per system and batch, the ratio to hf at the same batch, and token agreement with hf and with
 native (or, without native, the first other system listed):
@@ -127,7 +128,7 @@ def main():
                 with tempfile.TemporaryDirectory() as d:
                     st = teacher.generate_targets(recs, model, tok, Path(d) / "t.jsonl", batch_size=bs,
                                                   max_new_tokens=args.max_new_tokens, progress=False,
-                                                  **SYSTEMS[name])
+                                                  spec=args.teacher, **SYSTEMS[name])
                     wall = st["seconds"]  # generation and writing; not the one-off weight hashing / conversion
                     # (the runtime's smoothing and quantization included)
                     conts[(name, bs)] = {r["id"]: r["continuation_ids"] for r in teacher.read_rows(Path(d) / "t.jsonl")}

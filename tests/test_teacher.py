@@ -173,11 +173,11 @@ def test_meta_records_no_machine_path(tmp_path):
 
 
 def test_runtime_backend_rows_are_the_runtimes_own_greedy_answers_and_resume(tmp_path, tiny_random):
-    """teacher.backend='runtime': prompts decoded together through the target runtime (W8A8, row-exact), each row
+    """teacher.backend='runtime': prompts decoded together through the target runtime (row-exact), each row
     equal to the runtime's plain greedy answer to its prompt alone, its soft labels the top-K of the same logits;
     a killed run resumes to the same file, and a resume in other numerics is refused."""
     from drafter_lib.decoding.generate import topk_logprobs
-    from drafter_lib.decoding.runtime import runtime_target
+    from drafter_lib.decoding.runtime import EXACT_NUMERICS, runtime_target
     from drafter_lib.decoding.smoothing import calibration_rows
     from drafter_lib.decoding.speculative import NativeTarget
     from drafter_lib.model.tiny_models import TINY_WEIGHT_SCALE
@@ -205,11 +205,12 @@ def test_runtime_backend_rows_are_the_runtimes_own_greedy_answers_and_resume(tmp
     stats = teacher.generate_targets(recs, model, tok, out, **kw)
     assert stats["backend"] == "runtime" and stats["already_done"] == 6 and stats["written"] == 5
     meta = json.loads(teacher.meta_path(out).read_text())
-    assert meta["generation"]["backend"] == "runtime" and meta["generation"]["numerics"] == "w8a8"
+    numerics = meta["generation"]["numerics"]  # the runtime's default, as resolved here ("auto": gguf or w8a8)
+    assert meta["generation"]["backend"] == "runtime" and numerics in EXACT_NUMERICS
     with pytest.raises(ValueError, match="generation"):
         teacher.generate_targets(recs, model, tok, out, numerics="fp32", **kw)
 
-    target = runtime_target(Transformer.from_hf_model(model), "w8a8", calibration=calibration_rows(tok))
+    target = runtime_target(Transformer.from_hf_model(model), numerics, calibration=calibration_rows(tok))
     rows, soft = by_id(out), load_soft_labels(soft_dir_for(out))
     answers = set()
     for r in recs:

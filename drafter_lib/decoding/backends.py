@@ -238,20 +238,24 @@ class NativeBackend:
 
 
 class RuntimeBackend:
-    """The target runtime as the teacher: the teacher's weights converted to `numerics` (`runtime.runtime_target`,
-    smoothed on the tokenizer's calibration rows as the server's runtime is), decoded with continuous batching."""
+    """The target runtime as the teacher: the teacher's weights converted to `numerics` as the server's runtime
+    converts them (`runtime.runtime_target`: smoothed on the tokenizer's calibration rows; "gguf" and "auto" take
+    the blocks of `spec`'s GGUF file where it has one, `runtime.gguf_blocks`), decoded with continuous batching.
+    `numerics` then names what runs ("auto" resolved)."""
 
     name = "runtime"
 
-    def __init__(self, hf_model, tokenizer, numerics: str | None = None, prefill_group: int = 8):
-        from drafter_lib.decoding.runtime import NUMERICS, runtime_target
+    def __init__(self, hf_model, tokenizer, numerics: str | None = None, spec: str | None = None,
+                 prefill_group: int = 8):
+        from drafter_lib.decoding.runtime import NUMERICS, block_kernel_runs, gguf_blocks, runtime_target
         from drafter_lib.decoding.smoothing import calibration_rows
         from drafter_lib.model.transformer import Transformer
 
-        self.numerics = numerics or NUMERICS[0]
+        numerics = numerics or NUMERICS[0]
+        blocks = gguf_blocks(spec) if spec and numerics in ("gguf", "auto") and block_kernel_runs() else None
         model = Transformer.from_hf_model(hf_model)
-        self.model = runtime_target(model, self.numerics, calibration=calibration_rows(tokenizer)).model
-        self.prefill_group = prefill_group
+        self.model = runtime_target(model, numerics, calibration=calibration_rows(tokenizer), blocks=blocks).model
+        self.numerics, self.prefill_group = self.model.numerics, prefill_group
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, stop_ids: list[int]) -> list[list[int]]:
         outs: list[list[int]] = [[] for _ in prompts]
@@ -289,13 +293,15 @@ def _model_folder(model) -> str:
 
 
 def make_backend(name: str, model, tokenizer, dtype: str = "float32", schedule: str = "continuous",
-                 vllm_options: dict | None = None, numerics: str | None = None, **native_options):
+                 vllm_options: dict | None = None, numerics: str | None = None, spec: str | None = None,
+                 **native_options):
     """"native", "hf", "vllm", "runtime" or "auto" (native on CPU for the hand-written decoder's SUPPORTED_ARCHS,
     else hf; never vllm or runtime). dtype/schedule and `native_options` (`NativeBackend`'s prefill_group,
     sliced_head, row_blocks): native only (prefill_group: runtime too). vllm_options (`VLLMBackend`'s
     tensor_parallel_size, chunk_rows, ...): vllm only; vLLM loads the weights itself from the folder `model` was
     loaded from, in `model`'s dtype, so the weights the teacher meta hashes are the ones used. numerics: runtime
-    only (None: the runtime's default, `runtime.NUMERICS[0]`)."""
+    only (None: the runtime's default, `runtime.NUMERICS[0]`); spec: the teacher's spec, whose GGUF file the
+    runtime's "gguf" / "auto" numerics read where it has one (runtime only)."""
     if name == "auto":
         on_cpu = next(model.parameters()).device.type == "cpu"
         name = "native" if on_cpu and model.config.model_type in SUPPORTED_ARCHS else "hf"
@@ -307,7 +313,7 @@ def make_backend(name: str, model, tokenizer, dtype: str = "float32", schedule: 
         if dtype != "float32" or schedule != "continuous" or set(native_options) - {"prefill_group"}:
             raise ValueError("the runtime backend takes numerics and prefill_group, not dtype, schedule or "
                              f"{sorted(set(native_options) - {'prefill_group'})}")
-        return RuntimeBackend(model, tokenizer, numerics, **native_options)
+        return RuntimeBackend(model, tokenizer, numerics, spec, **native_options)
     if name == "native":
         return NativeBackend(model, dtype=dtype, schedule=schedule, **native_options)
     if name in ("hf", "vllm") and (dtype != "float32" or schedule != "continuous" or native_options):

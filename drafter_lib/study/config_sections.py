@@ -52,7 +52,7 @@ class TeacherConfig:
     max_new_tokens: int = 256
     batch_size: int = 128  # decode rows per step: 4x 32's rows cost ~3x the time here (attention reads fp32 K/V)
     backend: str = "auto"  # auto | native | hf | vllm (GPU; docs/scale_out.md) | runtime (the target runtime, CPU)
-    numerics: str | None = None  # runtime only: w8a8 | w4a8 | fp32 (null: the runtime's default, w8a8)
+    numerics: str | None = None  # runtime only: auto | gguf | w8a8 | w4a8 | fp32 (null: the runtime's default)
     tensor_parallel_size: int = 1  # vllm only: GPUs one vLLM engine spreads the teacher over
     soft_topk: int = 16  # also store the teacher's top-K log-probs per continuation token (0: off)
     soft_prompt: bool = True  # ... and at prompt positions (for train.loss_on_prompt)

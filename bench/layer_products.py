@@ -1,6 +1,7 @@
-"""One decoder layer's linear products for a target's shapes at 1 / 2 / 5 / 9 / 17 rows: this runtime's W8A8 (fbgemm,
-int8 rows x int8 weights, int32 sums) and W4A8 (its own kernel: 4-bit weights in groups x int8 rows) beside torch's
-int4-weight kernel (bf16 rows, groups of 32 / 128), with each
+"""One decoder layer's linear products for a target's shapes at 1 / 2 / 5 / 9 / 17 rows: this runtime's gguf numerics
+(its own kernel: GGUF Q4_K / Q6_K / Q8_0 blocks x int8 rows quantized per block, every path the CPU runs), W8A8
+(fbgemm, int8 rows x int8 weights, int32 sums) and W4A8 (its own kernel: 4-bit weights in groups x int8 rows) beside
+torch's int4-weight kernel (bf16 rows, groups of 32 / 128), with each
 kernel's row exactness (a row's output alone equals it inside a 9-row pass, bit for bit). No weights are loaded: the
 shapes come from the model's config.json (the converted copy in the cache), the weights are random.
 
@@ -20,6 +21,7 @@ import torch  # noqa: E402
 
 from drafter_lib.common.files import read_json  # noqa: E402
 from drafter_lib.common.measured_choice import cpu_model  # noqa: E402
+from drafter_lib.decoding import block_rows  # noqa: E402
 from drafter_lib.decoding.w4a8 import W4A8Linear  # noqa: E402
 from drafter_lib.decoding.w8a8 import W8A8Linear  # noqa: E402
 from drafter_lib.model import hf_models  # noqa: E402
@@ -49,6 +51,15 @@ def int4_product(w: torch.Tensor, group: int):
     return lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, group, scales_zeros)
 
 
+def gguf_product(fmt: str, path: str, gen: torch.Generator):
+    """This runtime's block kernel on a random weight in GGUF `fmt` (the shape of w, not its values), on `path`."""
+    def make(w: torch.Tensor):
+        lin = block_rows.BlockLinear([block_rows.random_weight(fmt, *w.shape, gen)])
+        lin.path = path
+        return lin
+    return make
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -62,10 +73,14 @@ def main(argv=None) -> None:
           f"threads {torch.get_num_threads()}\n{args.target}: one layer's products {shapes} ({c.num_hidden_layers} "
           "layers)")
     gen = torch.Generator().manual_seed(0)
-    kernels = {"W8A8 fbgemm": lambda w: W8A8Linear(w, None, "fbgemm"),
+    kernels = {f"gguf {fmt} {path}": gguf_product(fmt, path, gen)
+               for fmt in ("Q4_K", "Q6_K", "Q8_0") for path in block_rows.paths_here()[-2:]  # the two fastest
+               if all(k % block_rows.ACT_BLOCK[fmt] == 0 for _, k in shapes)}
+    kernels |= {"W8A8 fbgemm": lambda w: W8A8Linear(w, None, "fbgemm"),
                "W4A8 q4_rows (ours)": lambda w: W4A8Linear(w, None),
-               "int4 weights g32, bf16 rows": lambda w: int4_product(w, 32),
-               "int4 weights g128, bf16 rows": lambda w: int4_product(w, 128)}
+               "int4 weights g32, bf16 rows": lambda w: int4_product(w, 32)}
+    if all(k % 128 == 0 for _, k in shapes):
+        kernels["int4 weights g128, bf16 rows"] = lambda w: int4_product(w, 128)
     for name, make in kernels.items():
         ms, exact = dict.fromkeys(ROWS, 0.0), True
         for n, k in shapes:

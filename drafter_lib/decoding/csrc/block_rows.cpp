@@ -34,22 +34,24 @@ constexpr int MB = 4;  // rows per tile: their accumulators and one chunk of wei
 
 int64_t act_block(int64_t format) { return format == Q4_K || format == Q6_K ? 256 : 32; }
 
-// One row's activations: int8 a [K], one scale per block, integer sums per 16 inputs; for Q4_1 the block's
-// d_a * sum(a) (its minimum term).
+// One row's activations: int8 a [K], one scale per block, integer sums per 16 and per 32 inputs (int16: at most
+// 32 * 127 in magnitude, so the vector paths multiply them with vpmaddwd); for Q4_1 the block's d_a * sum(a) (its
+// minimum term).
 struct Rows {
   int64_t M, K, B;
   std::vector<int8_t> a;
   std::vector<float> d, sa;
-  std::vector<int32_t> s16;
+  std::vector<int16_t> s16, s32;
   const int8_t* arow(int64_t m) const { return a.data() + m * K; }
   const float* drow(int64_t m) const { return d.data() + m * (K / B); }
   const float* sarow(int64_t m) const { return sa.data() + m * (K / 32); }
-  const int32_t* s16row(int64_t m) const { return s16.data() + m * (K / 16); }
+  const int16_t* s16row(int64_t m) const { return s16.data() + m * (K / 16); }
+  const int16_t* s32row(int64_t m) const { return s32.data() + m * (K / 32); }
 };
 
 Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
   Rows r{M, K, B, std::vector<int8_t>(M * K), std::vector<float>(M * (K / B)), std::vector<float>(M * (K / 32)),
-         std::vector<int32_t>(M * (K / 16))};
+         std::vector<int16_t>(M * (K / 16)), std::vector<int16_t>(M * (K / 32))};
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * K;
     int8_t* ar = r.a.data() + m * K;
@@ -67,11 +69,13 @@ Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
     for (int64_t g = 0; g < K / 16; ++g) {
       int32_t s = 0;
       for (int64_t i = 0; i < 16; ++i) s += ar[g * 16 + i];
-      r.s16[m * (K / 16) + g] = s;
+      r.s16[m * (K / 16) + g] = static_cast<int16_t>(s);
     }
-    for (int64_t b = 0; b < K / 32; ++b)  // only Q4_1 reads it: its blocks are 32 inputs, as its scales
-      r.sa[m * (K / 32) + b] = r.d[m * (K / B) + b * 32 / B] * static_cast<float>(r.s16[m * (K / 16) + 2 * b] +
-                                                                                 r.s16[m * (K / 16) + 2 * b + 1]);
+    for (int64_t b = 0; b < K / 32; ++b) {
+      r.s32[m * (K / 32) + b] = static_cast<int16_t>(r.s16[m * (K / 16) + 2 * b] + r.s16[m * (K / 16) + 2 * b + 1]);
+      // only Q4_1 reads sa: its blocks are 32 inputs, as its scales
+      r.sa[m * (K / 32) + b] = r.d[m * (K / B) + b * 32 / B] * static_cast<float>(r.s32[m * (K / 32) + b]);
+    }
   }
   return r;
 }
@@ -152,8 +156,7 @@ void row_dot(const Weight& w, int64_t n, const Rows& r, int64_t m, float* y) {
         lanes(hi, a + sb * 256 + c * 64 + 32, L, sc[g + 1], sc[g + 1]);
       }
       int32_t mins = 0;
-      for (int g = 0; g < 8; ++g)
-        mins += static_cast<int32_t>(mn[sb * 8 + g]) * (r.s16row(m)[sb * 16 + 2 * g] + r.s16row(m)[sb * 16 + 2 * g + 1]);
+      for (int g = 0; g < 8; ++g) mins += static_cast<int32_t>(mn[sb * 8 + g]) * r.s32row(m)[sb * 8 + g];
       const float da = r.drow(m)[sb];
       const float D = w.d[n * (K / 256) + sb] * da;
       for (int l = 0; l < 8; ++l) acc[l] = acc[l] + D * static_cast<float>(L[l]);

@@ -1,6 +1,12 @@
 // The vector paths' body (block_rows.cpp), included once per instruction set inside a namespace that defines
 // DOT(u, a), SCALED_ADD(acc, u, a, s) and scale_lanes(lo, hi). Each step mirrors `portable::row_dot` lane for lane.
 
+// The four int32 lanes' sum (integers: any order gives the same value).
+inline int32_t hsum4(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
+
 template <int T>
 void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
   const int64_t K = w.K;
@@ -57,10 +63,11 @@ void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
           L[t] = SCALED_ADD(SCALED_ADD(L[t], lo, load(at), s0), hi, load(at + 32), s1);
         }
       }
+      // the minima's integer term, sum_g mn[g] * (the row's sum over group g), in one vpmaddwd (exact in int32)
+      const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + sb * 8)));
       for (int t = 0; t < T; ++t) {
-        const int32_t* s16 = r.s16row(m0 + t) + sb * 16;
-        int32_t mins = 0;
-        for (int g = 0; g < 8; ++g) mins += static_cast<int32_t>(mn[sb * 8 + g]) * (s16[2 * g] + s16[2 * g + 1]);
+        const int32_t mins = hsum4(_mm_madd_epi16(
+            mn16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(r.s32row(m0 + t) + sb * 8))));
         add_block(t, w.d[n * (K / 256) + sb] * da[t][sb], L[t]);
         scalar[t] = scalar[t] - (w.dm[n * (K / 256) + sb] * da[t][sb]) * static_cast<float>(mins);
       }
@@ -76,10 +83,11 @@ void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
         const __m256i s = scale_lanes(sc[sb * 16 + 2 * c], sc[sb * 16 + 2 * c + 1]);
         for (int t = 0; t < T; ++t) L[t] = SCALED_ADD(L[t], u, load(a[t] + sb * 256 + c * 32), s);
       }
+      // the -32 of every value, sum_g sc[g] * (the row's sum over the 16 inputs of g), in one vpmaddwd
+      const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + sb * 16)));
       for (int t = 0; t < T; ++t) {
-        const int32_t* s16 = r.s16row(m0 + t) + sb * 16;
-        int32_t offset = 0;
-        for (int g = 0; g < 16; ++g) offset += static_cast<int32_t>(sc[sb * 16 + g]) * s16[g];
+        const __m256i p = _mm256_madd_epi16(sc16, load(r.s16row(m0 + t) + sb * 16));
+        const int32_t offset = hsum4(_mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
         L[t] = _mm256_sub_epi32(L[t], _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
         add_block(t, w.d[n * (K / 256) + sb] * da[t][sb], L[t]);
       }

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from drafter_lib.model import row_attention
 from drafter_lib.model.kv_cache import KVCache
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
@@ -256,33 +257,46 @@ class Attention(nn.Module):
         it comes alone (a one-token step) or inside a verify pass, a tree pass or a batch of sequences. Rows
         whose key blocks end alike share one call, each row's heads reading only their own keys' heads.
 
-        The calls run on one thread: the CPU kernel gives each thread its own slice of one scratch buffer and
-        multiplies in it with MKL, whose small products give bits that depend on the buffer's alignment, so a
-        head's bits followed the thread the call's size gave it (measured: 1 ulp apart). On one thread every head
-        uses the same slice. (As a batch of rows over a stride-0 view of the keys, a row's bits changed with the
-        batch's size too.)"""
+        The heads run in this project's kernel (`row_attention.py`: a query's arithmetic is fixed whatever else
+        runs, so the heads are split over the threads). Where it cannot be built they run in torch's kernel on one
+        thread: it gives each thread its own slice of one scratch buffer and multiplies in it with MKL, whose small
+        products give bits that depend on the buffer's alignment, so a head's bits followed the thread the call's
+        size gave it (measured: 1 ulp apart). On one thread every head uses the same slice. (As a batch of rows
+        over a stride-0 view of the keys, a row's bits changed with the batch's size too.)"""
+        if row_attention.kernel_unavailable() is None:
+            return self._attend_row_calls(q, k, v, rows, _kernel_heads)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return self._attend_row_calls(q, k, v, rows)
+            return self._attend_row_calls(q, k, v, rows, _sdpa_heads)
         finally:
             torch.set_num_threads(threads)
 
     @staticmethod
-    def _attend_row_calls(q, k, v, rows: RowGroups):
+    def _attend_row_calls(q, k, v, rows: RowGroups, heads):
         B, H, T, D = q.shape
         if len(rows.calls) == 1 and B == 1 and rows.calls[0].whole:  # one sequence, one block: no scatter
             c = rows.calls[0]
-            y = F.scaled_dot_product_attention(q.reshape(1, H * T, 1, D), k[:, :, :c.n], v[:, :, :c.n],
-                                               attn_mask=c.masks(H), enable_gqa=True)
-            return y.view(1, H, T, D)
+            return heads(q.reshape(H * T, D), k[0, :, :c.n], v[0, :, :c.n], c, H).view(1, H, T, D)
         out = q.new_empty(B, H, T, D)
         for c in rows.calls:
             nb, r = c.qb.shape
-            qg = q[c.qb, :, c.qt].transpose(1, 2).reshape(1, nb * H * r, 1, D)  # kv head j serves G * r heads
-            y = F.scaled_dot_product_attention(qg, *c.keys(k, v), attn_mask=c.masks(H), enable_gqa=True)
-            out[c.qb[c.real], :, c.qt[c.real]] = y.view(nb, H, r, D).transpose(1, 2)[c.real]
+            qg = q[c.qb, :, c.qt].transpose(1, 2).reshape(nb * H * r, D)  # kv head j serves G * r heads
+            kg, vg = c.keys(k, v)
+            out[c.qb[c.real], :, c.qt[c.real]] = heads(qg, kg, vg, c, H).view(nb, H, r, D).transpose(1, 2)[c.real]
         return out
+
+
+def _kernel_heads(q, k, v, call: _RowCall, heads: int) -> torch.Tensor:
+    """One-query heads q [Q, D] over key sequences k, v [S, n, D] in the row-exact kernel."""
+    return row_attention.attend(q, k, v, call.lengths(heads))
+
+
+def _sdpa_heads(q, k, v, call: _RowCall, heads: int) -> torch.Tensor:
+    """The same in torch's kernel (to be run on one thread: see `Attention._attend_rows`)."""
+    y = F.scaled_dot_product_attention(q[None, :, None], k[None], v[None], attn_mask=call.masks(heads),
+                                       enable_gqa=True)
+    return y.view(q.shape)
 
 
 class RowGroups:
@@ -357,13 +371,23 @@ class _RowCall:
         return cls(n, qb, qt, torch.ones(len(members), 1, dtype=torch.bool), mask, slots=slots)
 
     def keys(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The call's keys and values [1, nb * kv heads, n, D]: views of the cache, or gathered copies."""
+        """The call's keys and values [nb * kv heads, n, D]: views of the cache, or gathered copies."""
         nb, kvh, D = self.qb.shape[0], k.shape[1], k.shape[3]
         if self.slots is None:
             sl = slice(self.b0, self.b0 + nb)
-            return k[sl, :, :self.n].reshape(1, nb * kvh, self.n, D), v[sl, :, :self.n].reshape(1, nb * kvh, self.n, D)
+            return k[sl, :, :self.n].reshape(nb * kvh, self.n, D), v[sl, :, :self.n].reshape(nb * kvh, self.n, D)
         rows = self.qb[:, :1]
-        return tuple(c[rows, :, self.slots].transpose(1, 2).reshape(1, nb * kvh, self.n, D) for c in (k, v))
+        return tuple(c[rows, :, self.slots].transpose(1, 2).reshape(nb * kvh, self.n, D) for c in (k, v))
+
+    def lengths(self, heads: int) -> torch.Tensor:
+        """Slots each of the call's one-query heads reads [nb * heads * r] (made once per head count): up to its
+        position; a padding query's, all (its output is dropped)."""
+        key = ("lengths", heads)
+        if key not in self.by_heads:
+            nb, r, n = self.rows_mask.shape
+            per_row = (self.rows_mask == 0).sum(-1)
+            self.by_heads[key] = per_row[:, None].expand(nb, heads, r).reshape(-1).contiguous()
+        return self.by_heads[key]
 
     def masks(self, heads: int) -> torch.Tensor:
         """rows_mask as SDPA's [1, nb * heads * r, 1, n] (made once per head count)."""

@@ -1,0 +1,131 @@
+// Row-exact attention for one-query heads: out[i] = softmax(q[i] . k[s, :n_i] * scale) v[s, :n_i], s = i / group.
+//
+// Each query's arithmetic is one fixed sequence that depends on nothing but its own query, its n_i keys and values
+// in slot order, and the scale: dot products in eight float lanes over the head dimension, summed pairwise; the
+// maximum; exp(score - max) in slot order, their sum in slot order; the values weighted and added in slot order,
+// one lane per head dimension; one division. The queries are split over the threads, but a query never shares
+// its arithmetic with another, so its bits are the same alone, beside any other queries, or on any thread (built
+// with -ffp-contract=off: no fused multiply-adds the compiler might choose differently per loop).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+// One query's attention, written lane by lane (eight float lanes over the head dimension, one lane per head
+// dimension for the values) so that the compiler's vector code is the same arithmetic at any vector width: the
+// portable build and the AVX2 build below give the same bits.
+#define ROW_ATTENTION_BODY                                                                                        \
+  inline float dot(const float* a, const float* b, int64_t D) {                                                   \
+    float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                                    \
+    int64_t d = 0;                                                                                                \
+    for (; d + 8 <= D; d += 8)                                                                                    \
+      for (int l = 0; l < 8; ++l) lanes[l] = lanes[l] + a[d + l] * b[d + l];                                      \
+    for (int l = 0; d < D; ++d, ++l) lanes[l] = lanes[l] + a[d] * b[d];                                           \
+    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));    \
+  }                                                                                                               \
+  /* exp(x) for x <= 0 from basic float operations only (libm's expf may differ between builds): x = n ln2 + r,  \
+     a degree-6 polynomial in r, times 2^n; within 2 ulp, 0 below -87 */                                          \
+  inline void exps(float* x, int64_t n) {                                                                         \
+    for (int64_t j = 0; j < n; ++j) {                                                                             \
+      const float v = x[j] < -87.f ? -87.f : x[j];                                                                \
+      const float k = (v * 1.44269504f + 12582912.f) - 12582912.f; /* round to nearest */                          \
+      const float r = (v - k * 0.693145752f) - k * 1.42860677e-06f;                                               \
+      float p = 1.f / 720.f;                                                                                      \
+      p = p * r + 1.f / 120.f;                                                                                    \
+      p = p * r + 1.f / 24.f;                                                                                     \
+      p = p * r + 1.f / 6.f;                                                                                      \
+      p = p * r + 0.5f;                                                                                           \
+      p = p * r + 1.f;                                                                                            \
+      p = p * r + 1.f;                                                                                            \
+      int32_t bits = (static_cast<int32_t>(k) + 127) << 23;                                                       \
+      float scale;                                                                                                \
+      std::memcpy(&scale, &bits, 4);                                                                              \
+      x[j] = x[j] < -87.f ? 0.f : p * scale;                                                                      \
+    }                                                                                                             \
+  }                                                                                                               \
+  void queries(const float* qp, const float* kp, const float* vp, const int64_t* len, int64_t i0, int64_t i1,      \
+               int64_t N, int64_t D, int64_t group, float sc, float* op) {                                        \
+    std::vector<float> w(N), acc(D);                                                                              \
+    for (int64_t i = i0; i < i1; ++i) {                                                                           \
+      const float* qi = qp + i * D;                                                                               \
+      const float* ks = kp + (i / group) * N * D;                                                                 \
+      const float* vs = vp + (i / group) * N * D;                                                                 \
+      const int64_t n = len[i];                                                                                   \
+      float top = -INFINITY;                                                                                      \
+      for (int64_t j = 0; j < n; ++j) {                                                                           \
+        w[j] = dot(qi, ks + j * D, D) * sc;                                                                       \
+        top = std::max(top, w[j]);                                                                                \
+      }                                                                                                           \
+      for (int64_t j = 0; j < n; ++j) w[j] = w[j] - top;                                                          \
+      exps(w.data(), n);                                                                                          \
+      float total = 0.f;                                                                                          \
+      for (int64_t j = 0; j < n; ++j) total = total + w[j];                                                       \
+      std::fill(acc.begin(), acc.end(), 0.f);                                                                     \
+      for (int64_t j = 0; j < n; ++j) {                                                                           \
+        const float* vj = vs + j * D;                                                                             \
+        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + w[j] * vj[d];                                           \
+      }                                                                                                           \
+      for (int64_t d = 0; d < D; ++d) op[i * D + d] = acc[d] / total;                                             \
+    }                                                                                                             \
+  }
+
+namespace portable {
+ROW_ATTENTION_BODY
+}  // namespace portable
+
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace avx2 {
+ROW_ATTENTION_BODY
+}  // namespace avx2
+#pragma GCC pop_options
+
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2");
+}
+
+// path: 0 the widest this CPU runs, 1 portable, 2 AVX2 (the same bits: for tests)
+at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lengths,
+                         double scale, int64_t path) {
+  TORCH_CHECK(path >= 0 && path <= 2 && (path != 2 || has_avx2()), "row_attention: this CPU cannot run path ", path);
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "row_attention: q, k and v must be fp32");
+  TORCH_CHECK(q.dim() == 2 && k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(),
+              "row_attention: q [Q, D], k and v [S, N, D]");
+  TORCH_CHECK(lengths.scalar_type() == at::kLong && lengths.dim() == 1 && lengths.size(0) == q.size(0),
+              "row_attention: lengths must be int64 [Q]");
+  const int64_t Q = q.size(0), D = q.size(1), S = k.size(0), N = k.size(1);
+  TORCH_CHECK(k.size(2) == D && S > 0 && Q % S == 0, "row_attention: ", Q, " queries do not share ", S,
+              " key sequences evenly, or the head sizes differ");
+  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  const auto lc = lengths.contiguous();
+  const int64_t* len = lc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < Q; ++i)
+    TORCH_CHECK(len[i] >= 1 && len[i] <= N, "row_attention: query ", i, " reads ", len[i], " of ", N, " slots");
+  const int64_t group = Q / S;
+  const float sc = static_cast<float>(scale);
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  auto out = at::empty({Q, D}, qc.options());
+  float* op = out.data_ptr<float>();
+  const bool wide = path == 2 || (path == 0 && has_avx2());
+  at::parallel_for(0, Q, 1, [&](int64_t i0, int64_t i1) {
+    if (wide)
+      avx2::queries(qp, kp, vp, len, i0, i1, N, D, group, sc, op);
+    else
+      portable::queries(qp, kp, vp, len, i0, i1, N, D, group, sc, op);
+  });
+  return out;
+}
+
+}  // namespace
+
+// the schema is defined in row_attention.py; this is its CPU kernel
+TORCH_LIBRARY_IMPL(specdraft, CPU, m) { m.impl("row_attention", row_attention); }

@@ -19,6 +19,10 @@ the same update; checkpoints and exports hold the whole model, gathered to the m
 Only the main process writes (configs, checkpoints but each process's RNG state, exports, history, plots); the
 others wait at barriers.
 
+For large drafters on CPUs (docs/study_guide.md): `mixed_precision="bf16"` is accelerate's autocast (matmuls in bf16,
+weights and AdamW state fp32), `freeze_layers` keeps the input embedding and the lower layers out of backward and
+AdamW, `gradient_checkpointing` recomputes each layer's activations in backward.
+
 Outputs under `out_dir`: train_config.json, checkpoints/step_XXXXXXX (model, optimizer, scheduler, step, RNG,
 data position; see `checkpoint.py`), history.json/.csv, losses.png, best_distill/ (fp, HF format) and best/ (final
 phase's best validation loss, HF format with the latent fp weights; packing them with the QAT quant config

@@ -152,6 +152,12 @@ def test_wrong_types_name_the_key(overrides, key):
     ({"teacher.soft_topk": 8, "teacher.soft_prompt": False, "train.loss": "tv", "train.loss_on_prompt": True},
      "train.loss_on_prompt"),
     ({"train.draft_vocab_size": 64, "train.kl_weight": 0.5}, "draft_vocab_size"),
+    # the training knobs for large drafters
+    ({"train.freeze_layers": -1}, "train.freeze_layers must be an integer >= 0"),
+    ({"train.freeze_layers": 3, "train.draft_vocab_size": 64}, "train.freeze_layers: 3, but the drafter keeps 2"),
+    ({"train.freeze_layers": 1}, "train.freeze_layers: 1 freezes the input embedding, which 'tiny-random:llama' ties"),
+    ({"train.gradient_checkpointing": "yes"}, "train.gradient_checkpointing: expected bool"),
+    ({"train.mixed_precision": "bf17"}, "train.mixed_precision must be"),
 ])
 def test_impossible_values_name_the_key(overrides, key):
     with pytest.raises(C.ConfigError, match=key):
@@ -261,3 +267,11 @@ def test_training_rows_too_short_for_the_teachers_rows_are_noted_not_refused(cap
     out = capsys.readouterr()
     assert C.StudyConfig.from_dict(json.loads(out.out)) == cfg  # stdout stays the config alone
     assert "note: train.max_seq_len=408" in out.err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="fp16 is a GPU setting: refused only where torch sees no GPU")
+def test_fp16_is_refused_without_a_gpu():
+    # on the CPU accelerate would ignore it and train in fp32
+    with pytest.raises(C.ConfigError, match="train.mixed_precision: 'fp16' runs on GPUs only"):
+        C.build_config("smoke", {"train.mixed_precision": "fp16"})
+    assert C.build_config("smoke", {"train.mixed_precision": "bf16"}).train.mixed_precision == "bf16"

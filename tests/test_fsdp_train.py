@@ -105,10 +105,10 @@ def test_fsdp_resumes_from_its_checkpoints(workdir, fsdp_run, tmp_path):
 
 
 def test_fsdp_bf16_qat_from_the_last_distill_weights(workdir, tmp_path):
-    """qat_init="last" with a draft-vocab head and bf16 autocast: the sharded distill weights, gathered and broadcast
-    into a fresh drafter with the fake-quant parametrizations and the reduced head, train as one process trains
-    them."""
-    kw = dict(steps=2, qat_steps=2, qat_init="last", mixed_precision="bf16", draft_vocab_size=64)
+    """qat_init="last" with a draft-vocab head, bf16 autocast and a frozen first layer: the sharded distill weights,
+    gathered and broadcast into a fresh drafter with the fake-quant parametrizations, the reduced head and the same
+    frozen layer, train as one process trains them."""
+    kw = dict(steps=2, qat_steps=2, qat_init="last", mixed_precision="bf16", draft_vocab_size=64, freeze_layers=1)
     two = launch.train(cfg_for(workdir, tmp_path / "two", **FSDP, **kw))
     # one process launched too: accelerate's state in this process is set up without mixed precision
     one = launch.launch_training(cfg_for(workdir, tmp_path / "one", grad_accum=2, **kw), echo=False)
@@ -119,5 +119,7 @@ def test_fsdp_bf16_qat_from_the_last_distill_weights(workdir, tmp_path):
     m2 = _last(tmp_path / "two", "model.pt")
     assert "draft_vocab_ids" in m2 and "lm_head.parametrizations.weight.original" in m2
     _close_state_dicts(m2, _last(tmp_path / "one", "model.pt"), **TOL)
+    o2, o1 = _last(tmp_path / "two", "optimizer.pt"), _last(tmp_path / "one", "optimizer.pt")
+    assert o2["param_groups"] == o1["param_groups"] and o2["state"].keys() == o1["state"].keys()
     _close_state_dicts(load_file(tmp_path / "two" / "best" / "model.safetensors"),
                        load_file(tmp_path / "one" / "best" / "model.safetensors"), **TOL)

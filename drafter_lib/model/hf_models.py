@@ -375,11 +375,12 @@ def _gguf_config(path: Path) -> dict:
 
 
 def model_sizes(spec: str, revision: str | None = None, allow_download: bool = True) -> dict | None:
-    """{hidden_size, intermediate_size, num_hidden_layers, attention_width, vocab_size, model_type, hidden_act} of
-    a model spec, read from its HF config without loading weights (the default teacher: its converted copy's
-    config.json, else the GGUF metadata, a llama). None when a hub config is neither cached nor downloadable."""
+    """{hidden_size, intermediate_size, num_hidden_layers, attention_width, vocab_size, model_type, hidden_act,
+    tie_word_embeddings (None where the config does not say)} of a model spec, read from its HF config without
+    loading weights (the default teacher: its converted copy's config.json, else the GGUF metadata, a llama). None
+    when a hub config is neither cached nor downloadable."""
     if is_tiny_spec(spec):
-        cfg = dict(TINY_SPEC_SIZES, model_type=tiny_arch(spec))
+        cfg = dict(TINY_SPEC_SIZES, model_type=tiny_arch(spec), tie_word_embeddings=True)  # tiny_random_model's
     else:
         kind, name, rev = parse_model_spec(spec, revision)
         if kind == "default":
@@ -409,7 +410,7 @@ def model_sizes(spec: str, revision: str | None = None, allow_download: bool = T
     return {"hidden_size": cfg["hidden_size"], "intermediate_size": cfg["intermediate_size"],
             "num_hidden_layers": cfg["num_hidden_layers"], "attention_width": heads * head_dim,
             "vocab_size": cfg.get("vocab_size"), "model_type": cfg.get("model_type"),
-            "hidden_act": cfg.get("hidden_act", "silu")}
+            "hidden_act": cfg.get("hidden_act", "silu"), "tie_word_embeddings": cfg.get("tie_word_embeddings")}
 
 
 # --------------------------------------------------------------------------- layer pruning

@@ -219,8 +219,16 @@ def _check_model_sizes(cfg: ConfigSections, allow_download: bool) -> None:
     _need(arch is None or (arch in SUPPORTED_ARCHS and act == "silu"), key,
           f"{spec!r} is a {arch!r} model with {act!r} MLPs; the drafting engine runs {list(SUPPORTED_ARCHS)} with "
           "'silu' MLPs: choose a drafter base of those (study.drafter_base), whose tokenizer is the target's")
+    kept = sizes["num_hidden_layers"]
     if s.keep_layers is not None:
-        _keep(s.keep_layers, sizes["num_hidden_layers"], "study.keep_layers")
+        kept = len(_keep(s.keep_layers, sizes["num_hidden_layers"], "study.keep_layers"))
+    t = cfg.train
+    _need(t.freeze_layers <= kept, "train.freeze_layers",
+          f"{t.freeze_layers}, but the drafter keeps {kept} decoder layers (study.keep_layers={s.keep_layers!r})")
+    _need(not (t.freeze_layers and t.draft_vocab_size is None and sizes.get("tie_word_embeddings")),
+          "train.freeze_layers", f"{t.freeze_layers} freezes the input embedding, which {spec!r} ties to its output "
+          "head: with the full head (train.draft_vocab_size null) the head would not train either; set "
+          "train.draft_vocab_size or train.freeze_layers=0")
     dims = {"hidden size": sizes["hidden_size"], "attention width": sizes["attention_width"],
             "MLP (intermediate) size": sizes["intermediate_size"]}
     for what, n in dims.items():
@@ -498,3 +506,7 @@ def check_scale_out(cfg: ConfigSections, on_this_machine: bool = True) -> None:
         _need(tr.num_processes <= devices, "train.num_processes",
               f"{tr.num_processes} processes, but this machine has {devices} {what}: at most one process per "
               f"device (train.num_processes={devices})")
+    # the trainer uses a GPU whenever torch sees one; on the CPU accelerate would ignore fp16 and train in fp32
+    _need(tr.mixed_precision != "fp16" or gpus > 0, "train.mixed_precision",
+          "'fp16' runs on GPUs only, and torch finds none on this machine: use 'bf16' (fast on CPUs with AVX512_BF16 "
+          "or AMX) or 'no'")

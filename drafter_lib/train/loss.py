@@ -88,7 +88,8 @@ class LossModule(nn.Module):
                 soft_ids=None, soft_logprobs=None, soft_mask=None, loss="ce", loss_on_prompt=False,
                 prompt_weight=1.0):
         """(objective, continuation CE) - both sums over positions; the CE is what validation compares."""
-        h = self.lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        # no K/V cache: training never reads it back (and gradient checkpointing refuses one)
+        h = self.lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         cont = targets != IGNORE
         if loss == "ce" and not loss_on_prompt:
             logits = self.lm.lm_head(h[cont]).float()                   # [N, V]

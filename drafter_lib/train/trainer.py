@@ -19,6 +19,10 @@ the same update; checkpoints and exports hold the whole model, gathered to the m
 Only the main process writes (configs, checkpoints but each process's RNG state, exports, history, plots); the
 others wait at barriers.
 
+For large drafters on CPUs (docs/study_guide.md): `mixed_precision="bf16"` is accelerate's autocast (matmuls in bf16,
+weights and AdamW state fp32), `freeze_layers` keeps the input embedding and the lower layers out of backward and
+AdamW, `gradient_checkpointing` recomputes each layer's activations in backward.
+
 Outputs under `out_dir`: train_config.json, checkpoints/step_XXXXXXX (model, optimizer, scheduler, step, RNG,
 data position; see `checkpoint.py`), history.json/.csv, losses.png, best_distill/ (fp, HF format) and best/ (final
 phase's best validation loss, HF format with the latent fp weights; packing them with the QAT quant config
@@ -37,6 +41,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -61,7 +66,8 @@ from drafter_lib.train.checkpoint import (
 from drafter_lib.train.examples import IGNORE, BatchStream, collate, load_examples, split_val
 from drafter_lib.train.loss import LOSSES, LossModule, make_optimizer, teacher_target_logits
 
-__all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "build_base_model", "DISTRIBUTED"]
+__all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "build_base_model", "DISTRIBUTED",
+           "freeze_lower_layers", "checkpoint_layers"]
 
 DISTRIBUTED = ("none", "ddp", "fsdp")
 
@@ -106,7 +112,11 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0
-    mixed_precision: str = "no"         # no | bf16 (GPU)
+    # no | bf16 (autocast: matmuls in bf16, weights and AdamW state fp32; on CPUs only worth it with native bf16,
+    # AVX512_BF16 or AMX, docs/studies/training.md) | fp16 (GPUs only)
+    mixed_precision: str = "no"
+    freeze_layers: int = 0              # the input embedding and the first N decoder layers do not train (0: none)
+    gradient_checkpointing: bool = False  # recompute each layer's activations in backward: less memory, more time
     # processes: 1 trains in the calling process; N > 1 runs `accelerate launch --num_processes N` (launch.py)
     num_processes: int = 1
     distributed: str = "none"           # none (one process) | ddp (data parallel) | fsdp (sharded, fsdp.py)
@@ -162,6 +172,11 @@ class TrainConfig:
                              "distributed='ddp' (or 'fsdp') or num_processes=1")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}")
+        if isinstance(self.freeze_layers, bool) or not isinstance(self.freeze_layers, int) or self.freeze_layers < 0:
+            raise ValueError(f"freeze_layers must be an integer >= 0 (decoder layers that do not train, with the "
+                             f"input embedding), got {self.freeze_layers!r}")
+        if not isinstance(self.gradient_checkpointing, bool):
+            raise ValueError(f"gradient_checkpointing must be true or false, got {self.gradient_checkpointing!r}")
         if self.distributed == "fsdp" and self.mixed_precision == "fp16":
             raise ValueError("distributed 'fsdp' goes with mixed_precision 'no' or 'bf16': fp16's loss scaling would "
                              "need a gradient scaler that agrees on overflow across the gradient shards")
@@ -187,6 +202,39 @@ def build_base_model(cfg: TrainConfig):
     return model, tok
 
 
+def freeze_lower_layers(model, n: int) -> None:
+    """requires_grad False on the input embedding and the first n decoder layers of an HF causal LM (n = 0: none):
+    backward stops above them, and make_optimizer leaves them out (no gradients, no AdamW state). Call it after the
+    head is reduced: a reduced head is a tensor of its own, a full head may be the embedding itself."""
+    if n == 0:
+        return
+    layers = model.model.layers
+    if n > len(layers):
+        raise ValueError(f"freeze_layers={n}, but the drafter has {len(layers)} decoder layers (keep_layers)")
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is not None and head.weight is emb.weight:
+        raise ValueError(f"freeze_layers={n} freezes the input embedding, and this drafter's output head is the same "
+                         "tensor (tied, the full vocabulary): the head would not train either; set draft_vocab_size "
+                         "(a head of its own) or freeze_layers=0")
+    for mod in (emb, *layers[:n]):
+        mod.requires_grad_(False)
+
+
+def checkpoint_layers(model) -> None:
+    """HF gradient checkpointing of every decoder layer, non-reentrant: it needs no input that requires grad, so the
+    hook HF adds to make the embedding's output require grad goes (it would run backward through frozen layers)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5 calls it activation_checkpointing_enable
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.disable_input_require_grads()
+
+
+def _apply_train_settings(model, cfg: TrainConfig) -> None:
+    freeze_lower_layers(model, cfg.freeze_layers)
+    if cfg.gradient_checkpointing:
+        checkpoint_layers(model)
+
+
 # ---------------------------------------------------------------- the loop
 
 class Trainer:
@@ -197,6 +245,9 @@ class Trainer:
         self.cfg = cfg
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
+        if cfg.mixed_precision == "fp16" and not torch.cuda.is_available():  # accelerate would train in fp32, silently
+            raise ValueError("mixed_precision 'fp16' runs on GPUs only (on the CPU accelerate ignores it): use 'bf16' "
+                             "or 'no'")
         self.acc = accelerator or Accelerator(mixed_precision=cfg.mixed_precision,
                                               cpu=not torch.cuda.is_available())
         if cfg.num_processes > 1 and self.acc.num_processes != cfg.num_processes:
@@ -237,6 +288,7 @@ class Trainer:
         if cfg.draft_vocab_size:  # ids are a pure function of the data: a resumed run picks the same ones
             self.head_ids = reduce_for_continuations(self.model, self.tok, [e.continuation_targets for e in
                                                                             self.train_ex], cfg.draft_vocab_size)
+        _apply_train_settings(self.model, cfg)
         self.teacher = None
         if cfg.kl_weight > 0:
             from drafter_lib.model import hf_models
@@ -307,6 +359,7 @@ class Trainer:
             self.model, _ = build_base_model(self.cfg)
         if self.head_ids is not None:
             reduce_hf_model(self.model, self.head_ids)
+        _apply_train_settings(self.model, self.cfg)
         self._prepare("qat", weights=weights)
 
     # -- checkpoints
@@ -318,7 +371,8 @@ class Trainer:
 
     def save_checkpoint(self):
         state = {"step": self.step, "data_pos": self.data_pos, "phase": self.phase, "best": self.best,
-                 "history": self.history, "num_processes": self.acc.num_processes}
+                 "history": self.history, "num_processes": self.acc.num_processes,
+                 "freeze_layers": self.cfg.freeze_layers}
         model_state, optimizer_state = self._whole_state_dicts()
         save_checkpoint(self.acc, self.out, self.step, model_state, optimizer_state, self.sched, state,
                         self.cfg.keep_checkpoints)
@@ -326,6 +380,11 @@ class Trainer:
     def load_checkpoint(self, path: Path):
         ck = read_checkpoint(path, self.acc.process_index)
         state = ck["state"]
+        # the optimizer state holds the trainable tensors only: another freeze_layers would not match it
+        if state.get("freeze_layers", 0) != self.cfg.freeze_layers:
+            raise ValueError(f"{path} was trained with freeze_layers={state.get('freeze_layers', 0)}, this run has "
+                             f"freeze_layers={self.cfg.freeze_layers}: resume with the same value, or train into a new "
+                             "out_dir (in a study: another --name, or remove the run's train/)")
         self._prepare(state["phase"], ck)
         self.step, self.data_pos, self.best = state["step"], state["data_pos"], state["best"]
         self.history = state["history"]

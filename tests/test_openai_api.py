@@ -828,7 +828,7 @@ def test_generation_settings(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     defaults = Settings.from_env()
     assert (defaults.generation_default_max_tokens, defaults.generation_max_queue, defaults.generation_timeout_s,
-            defaults.generation_max_running, defaults.generation_prefill_chunk) == (2048, 16, 300.0, 4, 256)
+            defaults.generation_max_running, defaults.generation_prefill_chunk) == (2048, 16, 300.0, 4, 128)
     for var, bad in (("GENERATION_MAX_QUEUE", "0"), ("GENERATION_TIMEOUT_S", "0"), ("GENERATION_MAX_RUNNING", "0"),
                      ("GENERATION_MAX_RUNNING", "65"), ("GENERATION_PREFILL_CHUNK", "0")):
         monkeypatch.setenv(var, bad)

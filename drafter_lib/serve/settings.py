@@ -67,9 +67,10 @@ class Settings(BaseSettings):
     generation_timeout_s: float = Field(300.0, gt=0)
     # generations running at once, each on a KV cache of its own, taking turns on the engine thread; and the prompt
     # tokens a generation reads per target pass before its first step: /draft batches and the other generations run
-    # between its passes, so a long prompt holds them up for one chunk's pass, not for the whole prompt's
+    # between its passes, so a long prompt holds them up for one chunk's pass, not for the whole prompt's (128: as
+    # fast a prefill as one pass or chunks of 256 and 512, measured, with the shortest passes: docs/serving.md)
     generation_max_running: int = Field(4, ge=1, le=64)
-    generation_prefill_chunk: int = Field(256, ge=1)
+    generation_prefill_chunk: int = Field(128, ge=1)
     api_key: SecretStr | None = None
     api_keys_file: Path | None = None
     behind_auth_proxy: bool = False

@@ -121,8 +121,8 @@ def test_v1_fuzzer_serves_odd_but_valid_bodies_and_refuses_bad_ones_never_a_5xx(
     """Hypothesis draws /v1 bodies (tests/openai_bodies.py) against serve.sh with a tiny target: each odd but valid
     one gets a whole 200 (a stream with its finish reason and [DONE]), each with one thing wrong and each non-request
     a 4xx in OpenAI's error shape, garbage either, and none a 5xx; the server keeps serving, its log clean."""
-    from hypothesis import HealthCheck, given, settings
-    from openai_bodies import MAX_TOKENS, garbage_bodies, invalid_bodies, not_requests, valid_bodies
+    from hypothesis import HealthCheck, example, given, settings
+    from openai_bodies import CHAT, COMPLETIONS, MAX_TOKENS, garbage_bodies, invalid_bodies, not_requests, valid_bodies
 
     target_dir, drafter_dir = generation_dirs
     model, seen = target_dir.name, Counter()
@@ -132,6 +132,8 @@ def test_v1_fuzzer_serves_odd_but_valid_bodies_and_refuses_bad_ones_never_a_5xx(
     with srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         @settings(fuzz, max_examples=150)
         @given(valid_bodies(model))
+        @example((CHAT, {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                         "stream_options": {"include_usage": True}}))
         def valid(case):
             r, events = _send(http, *case)
             assert r.status_code == 200, (case, r.status_code, r.text[:300])
@@ -140,6 +142,7 @@ def test_v1_fuzzer_serves_odd_but_valid_bodies_and_refuses_bad_ones_never_a_5xx(
 
         @settings(fuzz, max_examples=200)
         @given(invalid_bodies(model) | not_requests())
+        @example((COMPLETIONS, {"model": "gpt-4o", "prompt": "x"}))
         def invalid(case):
             r, _ = _send(http, *case)
             assert 400 <= r.status_code < 500 and _openai_error(r), (case, r.status_code, r.text[:300])

@@ -11,22 +11,27 @@ with a JSON error) or a request it abandons (cancelled after it was sent, or cut
 Token ids are random within the vocabulary, seeded; request sizes and thresholds vary.
 
 With --target (the server's TARGET: a target spec or a Hugging Face folder) every --generate-every-th client is a
-`generate` client instead: chat and text completions on /v1, streamed or not, with or without logprobs; a few % of
-its requests are bad bodies (a 4xx in OpenAI's error shape) or hung up on (a raw connection closed after the
-request, or a stream closed after its first event). A 200 must be whole (a finish reason; a stream's `[DONE]` and
-no error event), a 503 must carry Retry-After; a sample of the answers is re-sent alone after the load and must
-come back with the same text (greedy answers depend on nothing else).
+`generate` client instead: chat and text completions on /v1, streamed or not, with or without logprobs, some with a
+prompt long enough to be read in several chunks (GENERATION_PREFILL_CHUNK); a few % of its requests are bad bodies
+(a 4xx in OpenAI's error shape) or hung up on (a raw connection closed during a whole answer, or a stream closed
+after a few of its events). A 200 must be whole (a finish reason; a stream's `[DONE]` and no error event), a 503
+must carry Retry-After; a sample of the answers is re-sent alone after the load and must come back with the same
+text (greedy answers depend on nothing else). The generate clients start after a first phase of /draft traffic
+alone (--draft-only-s), so that the report can set /draft's p99 latency while generations run beside its p99
+without them (the issue's aim: within 2x).
 
 It reports: requests sent and answers by status; errors by kind (clean: 503 with Retry-After, 4xx for malformed
 bodies; unexpected: anything else, e.g. a 5xx, a transport error, a 4xx for a well-formed request, a malformed
 request answered 200); drafts equal to the same request sent alone (a sample of the soak's answers is re-sent one
 at a time after the load stops); the server's RSS every --rss-every-s seconds, with its max after warm-up against
-a bound; p50/p99 latency per --bucket-s. Exit status 1 on any unexpected error, draft mismatch or RSS over the
-bound, else 0.
+a bound; p50/p99 latency per --bucket-s; with --target, /draft's p50/p99 in the draft-only phase and after it.
+Exit status 1 on any unexpected error, draft mismatch or RSS over the bound (or, with --max-draft-p99-ratio, a
+/draft p99 with generations above that multiple of its p99 without them), else 0.
 
   python bench/soak.py                                  # 10 minutes, 16 clients, on model/
   python bench/soak.py --duration 120 --clients 16 --json soak.json
   python bench/soak.py --duration 600 --clients 200 --target smollm2-135m-instruct   # /draft and /v1 mixed
+  python bench/soak.py --duration 60 --clients 50 --target smollm2-135m-instruct      # its smoke version
 """
 
 from __future__ import annotations
@@ -129,6 +134,10 @@ class Config:
     prefixes: list[list[int]] = field(default_factory=list)
     target: str | None = None  # the served model's name on /v1, when the server has a target
     generate_every: int = 0  # every n-th client is a generate client (0: none)
+    draft_only_s: float = 0.0  # the generate clients start this long after the /draft ones
+    long_prompt_p: float = 0.0  # share of generations with a prompt of several prefill chunks
+    context: int = 0  # the target's context (bounds a long prompt)
+    generation_timeout_s: float = 60.0  # a /v1 request may wait GENERATION_TIMEOUT_S to start, then run
 
     @property
     def cases(self) -> list[str]:
@@ -154,6 +163,7 @@ class Soak:
     rss: list = field(default_factory=list)  # (seconds since start, MiB)
     generations: Counter = field(default_factory=Counter)  # /v1 requests by how they went
     generation_sample: list = field(default_factory=list)  # (path, body, text) of whole 200s, re-sent after
+    generation_s: list = field(default_factory=list)  # seconds from request to the whole answer, per 200
     rng: random.Random = field(default_factory=lambda: random.Random(0))
 
     def now(self) -> float:
@@ -308,9 +318,14 @@ WORDS = ("the", "a", "river", "prime", "numbers", "explain", "why", "code", "lis
 
 
 def generation_body(rng: random.Random, cfg: Config, chat: bool | None = None) -> tuple[str, dict]:
-    """A /v1 request: chat or text completion, streamed or not, sometimes with log-probabilities."""
+    """A /v1 request: chat or text completion, streamed or not, sometimes with log-probabilities, sometimes with a
+    long prompt (up to a tenth of the context in words, at most 600: a few chunks of GENERATION_PREFILL_CHUNK's
+    default)."""
     chat = rng.random() < 0.5 if chat is None else chat
-    words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 24)))
+    n = rng.randint(2, 24)
+    if rng.random() < cfg.long_prompt_p:
+        n = rng.randint(min(100, cfg.context // 20), min(600, cfg.context // 10))
+    words = " ".join(rng.choice(WORDS) for _ in range(n))
     body = {"model": cfg.target, "max_tokens": rng.randint(4, 48), "stream": rng.random() < 0.5}
     if rng.random() < 0.3:
         top = rng.randint(0, 5)
@@ -331,9 +346,10 @@ def openai_error_shape(r: httpx.Response) -> bool:
 async def send_generation(http: httpx.AsyncClient, soak: Soak, cfg: Config, path: str, body: dict) -> None:
     soak.sent["generation"] += 1
     chat = "chat" in path
+    t = time.perf_counter()
     try:
         if body["stream"]:
-            async with http.stream("POST", path, json=body) as r:
+            async with http.stream("POST", path, json=body, timeout=cfg.generation_timeout_s) as r:
                 if r.status_code != 200:
                     await r.aread()
                     status, events = r.status_code, []
@@ -341,7 +357,7 @@ async def send_generation(http: httpx.AsyncClient, soak: Soak, cfg: Config, path
                     status = 200
                     events = [ln.removeprefix("data: ") async for ln in r.aiter_lines() if ln]
         else:
-            r = await http.post(path, json=body)
+            r = await http.post(path, json=body, timeout=cfg.generation_timeout_s)
             status, events = r.status_code, []
     except httpx.TransportError as e:
         soak.error(f"transport_{type(e).__name__}", f"{path}: {e!r}")
@@ -371,6 +387,7 @@ async def send_generation(http: httpx.AsyncClient, soak: Soak, cfg: Config, path
         if asked and not any(ch.get("logprobs") for ch in choices):
             soak.error("v1_no_logprobs", f"{path} stream")
         soak.generations["streamed"] += 1
+        soak.generation_s.append(time.perf_counter() - t)
         return
     choice = r.json()["choices"][0]
     text = choice["message"]["content"] if chat else choice["text"]
@@ -379,6 +396,7 @@ async def send_generation(http: httpx.AsyncClient, soak: Soak, cfg: Config, path
         soak.error("v1_answer_incomplete", f"{path}: {str(choice)[:160]}")
         return
     soak.generations["whole"] += 1
+    soak.generation_s.append(time.perf_counter() - t)
     if len(soak.generation_sample) < cfg.check // 4:
         soak.generation_sample.append((path, body, text))
 
@@ -405,7 +423,7 @@ async def send_v1_malformed(http: httpx.AsyncClient, rng: random.Random, soak: S
 
 async def hang_up_on_generation(rng: random.Random, soak: Soak, cfg: Config) -> None:
     """A client that leaves during its answer: the whole request on a raw connection, closed after a moment (a
-    whole answer) or after the stream's first bytes."""
+    whole answer) or in the middle of a stream, after its first few events."""
     path, body = generation_body(rng, cfg, chat=True)
     del body["max_tokens"]  # as long as the server allows: GENERATION_DEFAULT_MAX_TOKENS, or the context's rest
     soak.sent["disconnect"] += 1
@@ -423,7 +441,7 @@ async def hang_up_on_generation(rng: random.Random, soak: Soak, cfg: Config) -> 
     with suppress(OSError, asyncio.TimeoutError):
         await writer.drain()
         if body["stream"]:
-            await asyncio.wait_for(reader.read(1), timeout=cfg.timeout_s)
+            await asyncio.wait_for(read_events(reader, rng.randint(1, 6)), timeout=cfg.generation_timeout_s)
         else:
             await asyncio.sleep(rng.uniform(0.05, 0.5))
     writer.close()
@@ -432,15 +450,27 @@ async def hang_up_on_generation(rng: random.Random, soak: Soak, cfg: Config) -> 
     soak.disconnects["hung_up_on_generation"] += 1
 
 
+async def read_events(reader: asyncio.StreamReader, n: int) -> None:
+    """Until `n` server-sent events have come, or the stream ended; at once for an answer that is no stream (a
+    503: the connection would stay open)."""
+    if b" 200 " not in await reader.readline():
+        return
+    seen = 0
+    while seen < n and (line := await reader.readline()):
+        seen += line.startswith(b"data: ")
+
+
 async def generate_client(cid: int, http: httpx.AsyncClient, soak: Soak, cfg: Config) -> None:
     rng = random.Random(cfg.seed * 1000 + cid)
+    await asyncio.sleep(max(0.0, soak.t0 + cfg.draft_only_s - time.perf_counter()))  # /draft alone first
     n = 0
     while time.perf_counter() < soak.deadline:
         n += 1
         u = rng.random()
-        if n == 2 or (n > 3 and u < cfg.malformed_p):
+        # its 1st request is a bad body and its 2nd hung up on (both quick), so even a short, slow run has both
+        if n == 1 or (n > 2 and u < cfg.malformed_p):
             await send_v1_malformed(http, rng, soak, cfg)
-        elif n == 3 or (n > 3 and u < cfg.malformed_p + cfg.disconnect_p):
+        elif n == 2 or (n > 2 and u < cfg.malformed_p + cfg.disconnect_p):
             await hang_up_on_generation(rng, soak, cfg)
         else:
             await send_generation(http, soak, cfg, *generation_body(rng, cfg))
@@ -450,7 +480,7 @@ async def replay_generations(cfg: Config, soak: Soak, max_s: float) -> dict:
     """Each sampled whole answer asked again, alone: a greedy answer is the same whatever ran beside it."""
     equal, checked, mismatches = 0, 0, []
     stop = time.perf_counter() + max_s
-    async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s) as http:
+    async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.generation_timeout_s) as http:
         for path, body, text in soak.generation_sample:
             if time.perf_counter() > stop:
                 break
@@ -521,7 +551,8 @@ async def run_load(srv: ServerProcess, cfg: Config, clients: int, duration: floa
     async with httpx.AsyncClient(base_url=cfg.url, timeout=cfg.timeout_s, limits=limits) as http:
         tasks = [asyncio.ensure_future(client(i, http, soak, cfg)) for i in range(clients)]
         # each client stops at the deadline once its request is answered (bounded by the request timeout)
-        _, stuck = await asyncio.wait(tasks, timeout=duration + 2 * cfg.timeout_s + 10)
+        longest = max(cfg.timeout_s, cfg.generation_timeout_s if cfg.generate_every else 0)
+        _, stuck = await asyncio.wait(tasks, timeout=duration + 2 * longest + 10)
         for t in stuck:
             soak.error("client_stuck", "a client was still waiting long past the deadline")
             t.cancel()
@@ -581,6 +612,23 @@ def per_bucket(soak: Soak, bucket_s: float, duration: float) -> list[dict]:
     return rows
 
 
+def draft_phases(soak: Soak, draft_only_s: float, settle_s: float, max_ratio: float | None) -> dict | None:
+    """/draft's latency without generations (the first phase) and with them (the rest), each past its first
+    `settle_s` seconds (cold caches, clients starting); None without generate clients."""
+    if not draft_only_s:
+        return None
+
+    def stats(lat: list[float]) -> dict:
+        return {"served": len(lat), "p50_ms": round(percentile(lat, 50) * 1e3, 1) if lat else None,
+                "p99_ms": round(percentile(lat, 99) * 1e3, 1) if lat else None}
+
+    alone = stats([x for t, x in soak.done if settle_s <= t < draft_only_s])
+    mixed = stats([x for t, x in soak.done if t >= draft_only_s + settle_s])
+    ratio = round(mixed["p99_ms"] / alone["p99_ms"], 2) if alone["p99_ms"] and mixed["p99_ms"] else None
+    return {"draft_only_s": draft_only_s, "settle_s": settle_s, "without_generations": alone,
+            "with_generations": mixed, "p99_ratio": ratio, "max_ratio": max_ratio}
+
+
 def rss_summary(soak: Soak, warmup_s: float, ready_mib: float, bound_mib: float, bound_rule: str) -> dict:
     after = [m for t, m in soak.rss if t >= warmup_s]
     half = len(after) // 2  # flat after warm-up: the second half peaks no higher than the first (cache full)
@@ -617,10 +665,19 @@ def print_report(rep: dict) -> None:
     growth = rss["growth_second_half_mib"]
     gen = rep["generations"]
     if gen.get("by_outcome") or gen.get("sampled"):
-        print(f"generations (/v1): {gen['by_outcome']}; answers equal to the same request alone: "
-              f"{gen.get('equal')}/{gen.get('checked')} (of {gen.get('sampled')} sampled)")
+        print(f"generations (/v1): {gen['by_outcome']}, seconds to the whole answer p50 {gen['p50_s']} p99 "
+              f"{gen['p99_s']}; answers equal to the same request alone: {gen.get('equal')}/{gen.get('checked')} "
+              f"(of {gen.get('sampled')} sampled)")
         for m in gen.get("mismatches", [])[:MISMATCHES_SHOWN]:
             print(f"  MISMATCH {m['path']}: soak {m['soak_text'][:60]!r} alone {m['alone_text'][:60]!r}")
+    if (lat := rep.get("draft_latency")) is not None:
+        alone, mixed = lat["without_generations"], lat["with_generations"]
+        ratio = lat["p99_ratio"]
+        aim = "" if ratio is None else f" (the issue's aim, within 2x: {'yes' if ratio <= 2 else 'no'})"
+        print(f"/draft latency without generations (from {lat['settle_s']:.0f}s to {lat['draft_only_s']:.0f}s): "
+              f"p50 {alone['p50_ms']} ms, p99 {alone['p99_ms']} ms ({alone['served']} served); with generations "
+              f"(from {lat['draft_only_s'] + lat['settle_s']:.0f}s): p50 {mixed['p50_ms']} ms, p99 {mixed['p99_ms']} "
+              f"ms ({mixed['served']} served); p99 ratio {ratio}{aim}")
     print(f"RSS: at ready {rss['at_ready_mib']:.0f} MiB; after warm-up ({rss['warmup_s']:.0f}s) "
           f"{rss['min_after_warmup_mib']}..{rss['max_after_warmup_mib']} MiB, the second half's peak "
           f"{'-' if growth is None else f'{growth:+.1f}'} MiB over the first's; bound {rss['bound_mib']:.0f} MiB "
@@ -630,7 +687,7 @@ def print_report(rep: dict) -> None:
 
 
 def build_report(soak: Soak, checked: dict, wall_s: float, buckets: list[dict], rss: dict, counters: dict,
-                 settings: dict, generated: dict | None = None) -> dict:
+                 settings: dict, generated: dict | None = None, draft_latency: dict | None = None) -> dict:
     mal = soak.malformed.values()
     served_after = sum(1 for t, _ in soak.done if soak.first_disconnect_t is not None and t > soak.first_disconnect_t)
     rep = {
@@ -649,9 +706,15 @@ def build_report(soak: Soak, checked: dict, wall_s: float, buckets: list[dict], 
                    "unexpected": dict(soak.unexpected), "examples": soak.examples},
         "drafts": {**checked, "mismatches": checked["mismatches"][:50]},
         "buckets": buckets, "rss": rss, "server_counters": counters,
-        "generations": {"by_outcome": dict(soak.generations), **(generated or {})},
+        "generations": {"by_outcome": dict(soak.generations), **(generated or {}),
+                        "p50_s": round(percentile(soak.generation_s, 50), 2) if soak.generation_s else None,
+                        "p99_s": round(percentile(soak.generation_s, 99), 2) if soak.generation_s else None},
+        "draft_latency": draft_latency,
     }
     failures = []
+    if draft_latency and draft_latency["max_ratio"] and (draft_latency["p99_ratio"] or 0) > draft_latency["max_ratio"]:
+        failures.append(f"/draft p99 with generations {draft_latency['p99_ratio']}x its p99 without them, bound "
+                        f"{draft_latency['max_ratio']}x")
     if generated and generated["equal"] != generated["checked"]:
         failures.append(f"{generated['checked'] - generated['equal']} answers differ from the same request alone")
     if soak.unexpected:
@@ -707,6 +770,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "generate clients")
     ap.add_argument("--generate-every", type=int, default=4, help="with --target, every n-th client is a generate "
                     "client (default 4)")
+    ap.add_argument("--draft-only-s", type=float, help="with --target, seconds of /draft traffic alone before the "
+                    "generate clients start (default: a fifth of the duration, at most 120)")
+    ap.add_argument("--settle-s", type=float, default=5.0, help="latency of the first seconds of each phase is not "
+                    "counted in its p50/p99 (default 5)")
+    ap.add_argument("--long-prompt-p", type=float, default=0.1, help="with --target, share of generations with a "
+                    "prompt of several prefill chunks (default 0.1)")
+    ap.add_argument("--max-draft-p99-ratio", type=float, help="fail if /draft's p99 with generations exceeds this "
+                    "multiple of its p99 without them (default: report only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--log", help="server log file (default: a temporary file; its tail is printed on failure)")
     ap.add_argument("--json", help="also write the report here")
@@ -772,20 +843,27 @@ def soak_server(srv: ServerProcess, args) -> dict:
     max_len = min(args.max_len, max_tokens)
     prompt_len = max(1, min(args.prompt_len, max_len - 32))  # branch prompts get up to 32 more tokens
     rng = random.Random(args.seed)
+    target = info.get("target") or {}
+    generate_every = args.generate_every if target else 0
+    draft_only = (min(120.0, args.duration / 5) if args.draft_only_s is None else args.draft_only_s) \
+        if generate_every else 0.0
     cfg = Config(url=srv.url, vocab=vocab, max_len=max_len, prompt_len=prompt_len, k=args.k, accept_p=args.accept_p,
                  malformed_p=args.malformed_p, disconnect_p=args.disconnect_p,
                  timeout_s=server["request_timeout_s"] + 30, seed=args.seed, check=args.check,
                  malformed=malformed_bodies(vocab, max_tokens),
                  prefixes=[[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(4)],
-                 target=(info.get("target") or {}).get("name"),
-                 generate_every=args.generate_every if info.get("target") else 0)
+                 target=target.get("name"), generate_every=generate_every, draft_only_s=draft_only,
+                 long_prompt_p=args.long_prompt_p, context=target.get("context_length", 0),
+                 generation_timeout_s=server.get("generation_timeout_s", 300) + 60)
     kinds = Counter(GENERATE if cfg.generate_every and i % cfg.generate_every == cfg.generate_every - 1
                     else KINDS[i % len(KINDS)] for i in range(args.clients))
     model = server.get("model_dir") or server.get("model") or args.model_dir
     print(f"server {srv.url}  model {model}  vocab {vocab}  max_context {info['max_context']}  "
           f"MAX_CACHE_MB {server['max_cache_mb']:.0f}  RSS at ready {ready_mib:.0f} MiB", flush=True)
     print(f"soak: {args.duration:.0f}s, {args.clients} clients {dict(kinds)}, k={args.k}, prompts up to {max_len} "
-          f"tokens, malformed {args.malformed_p:.0%}, disconnect {args.disconnect_p:.0%}, seed {args.seed}", flush=True)
+          f"tokens, malformed {args.malformed_p:.0%}, disconnect {args.disconnect_p:.0%}, seed {args.seed}"
+          + (f"; /draft alone for the first {draft_only:.0f}s, then generations on {cfg.target} (long prompts "
+             f"{args.long_prompt_p:.0%})" if draft_only else ""), flush=True)
 
     t0 = time.perf_counter()
     soak = asyncio.run(run_load(srv, cfg, args.clients, args.duration, args.rss_every_s))
@@ -802,9 +880,11 @@ def soak_server(srv: ServerProcess, args) -> dict:
     settings = {"duration_s": args.duration, "clients": args.clients, "kinds": dict(kinds), "k": args.k,
                 "max_len": max_len, "malformed_p": args.malformed_p, "disconnect_p": args.disconnect_p,
                 "seed": args.seed, "model": model, "max_cache_mb": server["max_cache_mb"],
-                "vocab_size": vocab, "max_context": info["max_context"]}
+                "vocab_size": vocab, "max_context": info["max_context"], "draft_only_s": draft_only,
+                "long_prompt_p": args.long_prompt_p if draft_only else None}
     return build_report(soak, checked, wall, per_bucket(soak, args.bucket_s, args.duration),
-                        rss_summary(soak, warmup, ready_mib, bound, rule), counters, settings, generated)
+                        rss_summary(soak, warmup, ready_mib, bound, rule), counters, settings, generated,
+                        draft_phases(soak, draft_only, args.settle_s, args.max_draft_p99_ratio))
 
 
 if __name__ == "__main__":

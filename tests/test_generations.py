@@ -1,5 +1,6 @@
-"""The generation runner alone (serve/generations.py, no HTTP): generations run on the engine thread one step per
-call, whether or not anyone reads them, with other calls in between; the queue is bounded and times out."""
+"""The generation runner alone (serve/generations.py, no HTTP): generations run on the engine thread one pass per
+call, whether or not anyone reads them, with other calls in between (draft batches first: the engine thread's
+lanes) and several taking turns; the queue is bounded and times out."""
 
 from __future__ import annotations
 
@@ -14,17 +15,79 @@ from drafter_lib.serve.generations import GenerationRunner
 
 
 class _Steps:
-    """A fake generation: `n` steps, each logged with the thread it ran on."""
+    """A fake generation: `n` steps, each logged with the thread it ran on (and, with a `name`, its start too)."""
 
-    def __init__(self, n: int, log: list, delay: float = 0.0):
-        self.n, self.log, self.delay, self.finish_reason = n, log, delay, None
+    def __init__(self, n: int, log: list, delay: float = 0.0, name: str | None = None):
+        self.n, self.log, self.delay, self.name, self.finish_reason = n, log, delay, name, None
 
     def __iter__(self):
         for i in range(self.n):
+            if self.name:
+                self.log.append((f"{self.name} starts", threading.get_ident()))
             time.sleep(self.delay)
             self.log.append((f"step {i}", threading.get_ident()))
             yield i
         self.finish_reason = "length"
+
+
+def test_engine_thread_runs_queued_calls_before_queued_background_calls():
+    worker, order, hold = EngineThread(), [], threading.Event()
+    try:
+        worker.submit(hold.wait)  # the thread busy: everything below queues
+        futures = [worker.submit_background(order.append, "gen a"), worker.submit_background(order.append, "gen b"),
+                   worker.submit(order.append, "draft 1"), worker.submit_background(order.append, "gen c"),
+                   worker.submit(order.append, "draft 2")]
+        hold.set()
+        for f in futures:
+            f.result(timeout=10)
+        assert order == ["draft 1", "draft 2", "gen a", "gen b", "gen c"]  # each lane in order, drafts first
+        worker.submit(hold.clear)
+        last = worker.submit_background(order.append, "queued before the shutdown")
+    finally:
+        worker.shutdown()
+    assert last.done() and order[-1] == "queued before the shutdown"
+    with pytest.raises(RuntimeError):
+        worker.submit_background(order.append, "late")
+
+
+def test_generations_take_turns_and_a_draft_batch_waits_for_at_most_the_pass_running():
+    """Three generations run at once (max_running=3), a fourth waits; their passes alternate on the engine thread,
+    so a short one started last ends first; a draft batch (the first lane) submitted while they take turns runs
+    before any pass that had not started yet."""
+    async def main():
+        worker, log, ended = EngineThread(), [], []
+        loop = asyncio.get_running_loop()
+
+        async def background(fn, *args):
+            return await asyncio.wrap_future(worker.submit_background(fn, *args))
+
+        runner = GenerationRunner(background, max_queue=4, request_timeout_s=10, max_running=3,
+                                  on_finish=lambda gen, reason: ended.append(gen.name))
+        try:
+            streams = [(await runner.start(lambda n=n, name=name: _Steps(n, log, 0.01, name)))[1]
+                       for n, name in ((40, "long a"), (40, "long b"), (4, "short"))]
+            fourth = asyncio.create_task(runner.start(lambda: _Steps(2, log, 0.01, "fourth")))
+            await asyncio.sleep(0.1)
+            assert (runner.running, runner.waiting) == (3, 1)
+            for _ in range(3):
+                log.append(("draft submitted", None))
+                at = len(log)
+                await loop.run_in_executor(worker, lambda: log.append(("draft", threading.get_ident())))
+                between = [what for what, _ in log[at:] if what.endswith("starts")]
+                assert len(between) <= 1, log[at - 2:]  # (1: a pass taken off the queue just before)
+                await asyncio.sleep(0.03)
+            streams.append((await fourth)[1])
+            for stream in streams:
+                [d async for d in stream]
+            assert ended.index("short") < ended.index("long a") and ended.index("fourth") < ended.index("long b")
+            names = [what for what, _ in log if what.endswith("starts")]
+            assert names[:names.index("short starts")].count("long a starts") < 10  # it did not wait for 40
+            assert runner.idle and {t for _, t in log if t is not None} == {worker._thread.ident}
+        finally:
+            await runner.stop()
+            worker.shutdown()
+
+    asyncio.run(main())
 
 
 def test_runner_runs_on_the_worker_without_waiting_for_the_reader_and_lets_others_in_between_steps():

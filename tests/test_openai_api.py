@@ -1,7 +1,8 @@
 """The OpenAI-compatible endpoints, with the official `openai` client against real servers on 127.0.0.1: a tiny
 random target (a Hugging Face folder, TARGET) drafted by itself packed at int8 (MODEL_DIR). Every answer's text must
-be the target runtime's own plain greedy decoding of the same prompt. The queue bound and the drain are checked on
-a server whose target steps wait behind a gate file; the generation runner alone in test_generations.py."""
+be the target runtime's own plain greedy decoding of the same prompt, its prompt read in chunks of a few tokens
+(GENERATION_PREFILL_CHUNK). The queue bound, the drain, hang-ups and /draft between a prompt's chunks are checked on
+a server whose target passes wait behind a gate file; the generation runner alone in test_generations.py."""
 
 from __future__ import annotations
 
@@ -21,27 +22,50 @@ openai = pytest.importorskip("openai")
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
-# server.py's command with the target's steps held while the file TEST_TARGET_GATE names exists
+# server.py's command with the target's passes (every generation's) held while the file TEST_TARGET_GATE names
+# exists, unless it holds a number: how many passes may have started in all; each pass and each /draft batch is
+# logged, in the order the engine thread runs them, to TEST_ENGINE_LOG ("target <tokens>", "draft batch"; "held"
+# when a pass starts waiting at the gate)
 GATED_SERVER = """
 import os, time
+from drafter_lib.decoding.speculative import NativeTarget
 from drafter_lib.serve import app as server_app
 from drafter_lib.serve.cli import main
 
-gate, load = os.environ.get("TEST_TARGET_GATE"), server_app.load_target
+gate, log = os.environ.get("TEST_TARGET_GATE"), os.environ.get("TEST_ENGINE_LOG")
+score, trimming, started = NativeTarget.score, server_app._trimming, [0]
 
-def gated_target(settings):
-    runtime = load(settings)
-    score = runtime.target.score
+def note(line):
+    if log:
+        with open(log, "a") as f:
+            f.write(line + "\\n")
 
-    def gated_score(*args, **kwargs):
-        while gate and os.path.exists(gate):
+def held():
+    try:
+        allowed = open(gate).read().strip()
+    except (TypeError, FileNotFoundError):
+        return False
+    return not allowed or started[0] >= int(allowed)
+
+def gated_score(self, new_tokens, keep=None):
+    if held():
+        note("held")
+        while held():
             time.sleep(0.01)
-        return score(*args, **kwargs)
+    started[0] += 1
+    note(f"target {len(new_tokens)}")
+    return score(self, new_tokens, keep)
 
-    runtime.target.score = gated_score
-    return runtime
+def logged_trimming(engine, tree=False):
+    run = trimming(engine, tree)
 
-server_app.load_target = gated_target
+    def logged(*args, **kwargs):
+        note("draft batch")
+        return run(*args, **kwargs)
+
+    return logged
+
+NativeTarget.score, server_app._trimming = gated_score, logged_trimming
 main()
 """
 
@@ -50,7 +74,7 @@ main()
 def server(generation_dirs, tmp_path_factory):
     target_dir, drafter_dir = generation_dirs
     srv = ServerProcess(drafter_dir, tmp_path_factory.mktemp("server") / "server.log", code=GATED_SERVER,
-                        TARGET=target_dir, API_KEY=KEY)
+                        TARGET=target_dir, API_KEY=KEY, GENERATION_PREFILL_CHUNK=8)  # every prompt in chunks
     with srv:
         yield srv
 
@@ -475,14 +499,14 @@ def _stream_lines(http, body):
 @pytest.mark.slow
 def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(generation_dirs, generation_runtime, name,
                                                                     tmp_path):
-    """GENERATION_MAX_QUEUE=1 and the target held at its first step (a gate file): one generation runs, one waits
-    (longer than /draft's REQUEST_TIMEOUT_S, which does not bound it), the next is refused at once with
-    Retry-After; SIGTERM refuses new ones, lets both finish and then exits 0."""
+    """GENERATION_MAX_QUEUE=1, GENERATION_MAX_RUNNING=1 and the target held at its first pass (a gate file): one
+    generation runs, one waits (longer than /draft's REQUEST_TIMEOUT_S, which does not bound it), the next is
+    refused at once with Retry-After; SIGTERM refuses new ones, lets both finish and then exits 0."""
     target_dir, drafter_dir = generation_dirs
     gate = tmp_path / "gate"
     srv = ServerProcess(drafter_dir, tmp_path / "server.log", code=GATED_SERVER, TARGET=target_dir,
-                        API_KEY=KEY, GENERATION_MAX_QUEUE=1, REQUEST_TIMEOUT_S=1, SHUTDOWN_TIMEOUT_S=60,
-                        TEST_TARGET_GATE=gate)
+                        API_KEY=KEY, GENERATION_MAX_QUEUE=1, GENERATION_MAX_RUNNING=1, REQUEST_TIMEOUT_S=1,
+                        SHUTDOWN_TIMEOUT_S=60, TEST_TARGET_GATE=gate)
     try:
         srv.wait_ready()
         gate.touch()
@@ -539,17 +563,22 @@ def test_queue_bound_gives_503_and_a_drain_finishes_the_generations(generation_d
 # ------------------------------------------------------------------ a client that hangs up
 
 
+PREFILL_CHUNK = 16  # the gated server's GENERATION_PREFILL_CHUNK
+
+
 @pytest.fixture(scope="module")
 def gated_server(generation_dirs, tmp_path_factory):
-    """A server whose target steps wait while its gate file exists, with a small default answer bound and a short
-    wait for a generation to start."""
+    """A server whose target passes wait at its gate file (GATED_SERVER), logging them and the /draft batches, with
+    prompts read in chunks of PREFILL_CHUNK tokens, one generation at a time, a small default answer bound and a
+    short wait for a generation to start."""
     target_dir, drafter_dir = generation_dirs
     tmp = tmp_path_factory.mktemp("gated")
-    gate = tmp / "gate"
+    gate, log = tmp / "gate", tmp / "engine.log"
     srv = ServerProcess(drafter_dir, tmp / "server.log", code=GATED_SERVER, TARGET=target_dir, API_KEY=KEY,
-                        TEST_TARGET_GATE=gate, GENERATION_DEFAULT_MAX_TOKENS=7, GENERATION_TIMEOUT_S=2)
+                        TEST_TARGET_GATE=gate, TEST_ENGINE_LOG=log, GENERATION_PREFILL_CHUNK=PREFILL_CHUNK,
+                        GENERATION_MAX_RUNNING=1, GENERATION_DEFAULT_MAX_TOKENS=7, GENERATION_TIMEOUT_S=2)
     with srv:
-        srv.gate = gate
+        srv.gate, srv.engine_log = gate, log
         yield srv
     gate.unlink(missing_ok=True)
 
@@ -561,38 +590,116 @@ def _wait_for(http, metric: str, value: float, srv) -> None:
         time.sleep(0.02)
 
 
+def _engine_log(srv) -> list[str]:
+    return srv.engine_log.read_text().splitlines() if srv.engine_log.exists() else []
+
+
+def _passes(lines: list[str]) -> int:
+    return sum(line.startswith("target ") for line in lines)
+
+
+def _hold_after(srv, passes: int) -> int:
+    """Let `passes` more target passes start, then hold the next one; returns the log's length now."""
+    lines = _engine_log(srv)
+    srv.gate.write_text(str(_passes(lines) + passes))
+    return len(lines)
+
+
+def _wait_until_held(srv, since: int, passes: int) -> None:
+    """Until the log shows `passes` passes since line `since`, then one waiting at the gate."""
+    deadline = time.monotonic() + 60
+    while not ((new := _engine_log(srv)[since:]) and new[-1] == "held" and _passes(new) == passes):
+        assert time.monotonic() < deadline, (new, srv.log())
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("phase", ["prefill", "decoding"])
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
-def test_a_client_that_hangs_up_stops_its_generation_within_one_target_step(gated_server, generation_runtime,
-                                                                           name, stream):
-    """The target is held at the generation's first step while the client (a raw socket) hangs up on a request for
-    the whole context; released, that step ends the generation: one target step in all, and the next request is
-    answered at once."""
+def test_a_client_that_hangs_up_stops_its_generation_within_one_target_pass(gated_server, generation_runtime,
+                                                                           name, stream, phase):
+    """The target is held at a pass of the generation (the first chunk of its long prompt, or its first step after
+    the prompt's chunks) while the client (a raw socket) hangs up on a request for the whole context; released,
+    that pass ends the generation: no other pass runs, and the next request is answered at once."""
+    from drafter_lib.common.chat import encode_chat
+
     srv = gated_server
-    steps, abandoned = "specdraft:generation_target_steps_total", \
-        'specdraft:generations_total{finish_reason="abandoned"}'
+    steps, chunks, abandoned = "specdraft:generation_target_steps_total", \
+        "specdraft:generation_prefill_passes_total", 'specdraft:generations_total{finish_reason="abandoned"}'
+    messages = [{"role": "user", "content": "Talk at length. " * 8}]
+    prompt = len(encode_chat(generation_runtime.tokenizer, messages))
+    prefill = len(range(PREFILL_CHUNK, prompt, PREFILL_CHUNK))  # the prompt's passes before the first step
+    assert prefill >= 6
     with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
-        before_steps, before_abandoned = _metric(http, steps), _metric(http, abandoned)
-        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Talk at length."}],
-                           "max_tokens": CONTEXT - 40, "stream": stream}).encode()
-        srv.gate.touch()
+        before = {m: _metric(http, m) for m in (steps, chunks, abandoned)}
+        body = json.dumps({"model": name, "messages": messages, "max_tokens": CONTEXT - prompt,
+                           "stream": stream}).encode()
+        allowed = 0 if phase == "prefill" else prefill
+        since = _hold_after(srv, allowed)
         try:
             conn = socket.create_connection(("127.0.0.1", srv.port))
             conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
                          b"\r\nAuthorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
                          + str(len(body)).encode() + b"\r\n\r\n" + body)
-            _wait_for(http, "specdraft:generations_running", 1, srv)
+            _wait_until_held(srv, since, allowed)
             conn.close()
-            time.sleep(1.0)  # the server reads the hang-up while the step is held
+            time.sleep(1.0)  # the server reads the hang-up while the pass is held
         finally:
             srv.gate.unlink(missing_ok=True)
-        _wait_for(http, abandoned, before_abandoned + 1, srv)
-        assert _metric(http, steps) - before_steps == 1  # the step running at the hang-up, and no other
+        _wait_for(http, abandoned, before[abandoned] + 1, srv)
+        assert _passes(_engine_log(srv)[since:]) == allowed + 1  # the pass held at the hang-up, and no other
+        if phase == "prefill":  # within one chunk of the prompt, none of its answer
+            assert (_metric(http, chunks) - before[chunks], _metric(http, steps) - before[steps]) == (1, 0)
+        else:
+            assert (_metric(http, chunks) - before[chunks], _metric(http, steps) - before[steps]) == (prefill, 1)
         assert _metric(http, "specdraft:generations_running") == 0
         t0 = time.perf_counter()
         r = http.post("/v1/completions", json={"model": name, "prompt": "Next", "max_tokens": 8})
         assert r.status_code == 200 and time.perf_counter() - t0 < 3.0
         assert r.json()["choices"][0]["text"] == reference(generation_runtime,
                                                            generation_runtime.tokenizer.encode("Next"), 8)[0]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_draft_is_answered_between_the_chunks_of_a_long_prompt(gated_server, generation_runtime, name, stream):
+    """A /draft request that comes while a long prompt's first chunk is held runs right after that chunk, while
+    the prompt's next chunk is still held: a long prompt holds the drafts up for one chunk, not for the whole
+    prompt. The answer is the target's plain greedy one all the same."""
+    srv = gated_server
+    prompt = "A long prompt, read a chunk at a time. " * 5
+    ids = generation_runtime.tokenizer.encode(prompt)
+    prefill = len(range(PREFILL_CHUNK, len(ids), PREFILL_CHUNK))
+    assert prefill >= 6
+    results = {}
+    with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as http:
+        before = _metric(http, "specdraft:generation_prefill_passes_total")
+        body = {"model": name, "prompt": prompt, "max_tokens": 8, "stream": stream}
+        since = _hold_after(srv, 0)
+        try:
+            generation = threading.Thread(target=lambda: results.setdefault("answer", _stream_lines(http, body) if
+                                                                            stream else http.post("/v1/completions",
+                                                                                                  json=body)))
+            generation.start()
+            _wait_until_held(srv, since, 0)  # the first chunk waits at the gate
+            draft = threading.Thread(target=lambda: results.setdefault("draft", http.post(
+                "/draft", json={"tokens": [1, 2, 3], "num_draft_tokens": 4})))
+            draft.start()
+            _wait_for(http, "specdraft:num_requests_running", 1, srv)  # its batch is queued on the engine thread
+            _hold_after(srv, 1)  # the first chunk runs; the second waits
+            draft.join(60)
+            assert results["draft"].status_code == 200 and len(results["draft"].json()["draft"]) == 4
+            log = [line for line in _engine_log(srv)[since:] if line != "held"]
+            assert log == [f"target {PREFILL_CHUNK}", "draft batch"], log  # the prompt not yet read
+            assert generation.is_alive() and _metric(http, "specdraft:generations_running") == 1
+        finally:
+            srv.gate.unlink(missing_ok=True)
+        generation.join(60)
+        assert _metric(http, "specdraft:generation_prefill_passes_total") - before == prefill
+    want = reference(generation_runtime, ids, 8)[0]
+    if stream:
+        chunks = [json.loads(e.removeprefix("data: ")) for e in results["answer"][:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
+    else:
+        assert results["answer"].json()["choices"][0]["text"] == want
 
 
 def test_a_chat_answer_without_max_tokens_gets_the_servers_default_bound(gated_server, generation_runtime, name):
@@ -617,7 +724,7 @@ def test_a_drain_past_its_bound_ends_the_generations_with_a_final_event(generati
     target_dir, drafter_dir = generation_dirs
     gate = tmp_path / "gate"
     srv = ServerProcess(drafter_dir, tmp_path / "server.log", code=GATED_SERVER, TARGET=target_dir, API_KEY=KEY,
-                        SHUTDOWN_TIMEOUT_S=1, TEST_TARGET_GATE=gate)
+                        SHUTDOWN_TIMEOUT_S=1, GENERATION_MAX_RUNNING=1, TEST_TARGET_GATE=gate)
     results = {}
     try:
         srv.wait_ready()
@@ -716,12 +823,14 @@ def test_generation_settings(monkeypatch):
 
     from drafter_lib.serve.settings import Settings, describe_errors
 
-    for var in ("GENERATION_DEFAULT_MAX_TOKENS", "GENERATION_MAX_QUEUE", "GENERATION_TIMEOUT_S"):
+    for var in ("GENERATION_DEFAULT_MAX_TOKENS", "GENERATION_MAX_QUEUE", "GENERATION_TIMEOUT_S",
+                "GENERATION_MAX_RUNNING", "GENERATION_PREFILL_CHUNK"):
         monkeypatch.delenv(var, raising=False)
     defaults = Settings.from_env()
-    assert (defaults.generation_default_max_tokens, defaults.generation_max_queue,
-            defaults.generation_timeout_s) == (2048, 16, 300.0)
-    for var, bad in (("GENERATION_MAX_QUEUE", "0"), ("GENERATION_TIMEOUT_S", "0")):
+    assert (defaults.generation_default_max_tokens, defaults.generation_max_queue, defaults.generation_timeout_s,
+            defaults.generation_max_running, defaults.generation_prefill_chunk) == (2048, 16, 300.0, 4, 128)
+    for var, bad in (("GENERATION_MAX_QUEUE", "0"), ("GENERATION_TIMEOUT_S", "0"), ("GENERATION_MAX_RUNNING", "0"),
+                     ("GENERATION_MAX_RUNNING", "65"), ("GENERATION_PREFILL_CHUNK", "0")):
         monkeypatch.setenv(var, bad)
         with pytest.raises(ValidationError) as e:
             Settings.from_env()

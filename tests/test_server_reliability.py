@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -78,6 +79,92 @@ def test_schemathesis_finds_no_failure(model_dir, tmp_path):
         r = httpx.post(srv.url + "/draft", json={"tokens": [1, 2, 3], "num_draft_tokens": 4})
         assert r.status_code == 200 and len(r.json()["draft"]) == 4
         assert "Traceback" not in srv.log()
+
+
+# ------------------------------------------------------------------ the /v1 endpoints under a fuzzer
+
+def _openai_error(r: httpx.Response) -> bool:
+    try:
+        error = r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    return isinstance(error, dict) and set(error) == {"message", "type", "param", "code"} and bool(error["message"])
+
+
+def _send(http: httpx.Client, path: str, body) -> tuple[httpx.Response, list | None]:
+    """The answer, and a stream's events (data of each, `[DONE]` included) when it is one."""
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    with http.stream("POST", path, content=raw, headers={"content-type": "application/json"}) as r:
+        if not r.headers.get("content-type", "").startswith("text/event-stream"):
+            r.read()
+            return r, None
+        return r, [line.removeprefix("data: ") for line in r.iter_lines() if line]
+
+
+def _unfinished(path: str, r: httpx.Response, events: list | None) -> str | None:
+    """What is wrong with a 200: a stream must end with a finish reason and [DONE] and no error event, an answer
+    must have its text and finish reason."""
+    if events is not None:
+        if not events or events[-1] != "[DONE]":
+            return f"stream without [DONE]: {events[-2:]}"
+        chunks = [json.loads(e) for e in events[:-1]]
+        if any("error" in c for c in chunks):
+            return f"error event: {chunks[-1]}"
+        finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices")]
+        return None if finishes and finishes[-1] in ("stop", "length") else f"no finish reason: {chunks[-2:]}"
+    choice = r.json()["choices"][0]
+    text = choice["message"]["content"] if path.endswith("chat/completions") else choice["text"]
+    return None if isinstance(text, str) and choice["finish_reason"] in ("stop", "length") else f"{choice}"
+
+
+def test_v1_fuzzer_serves_odd_but_valid_bodies_and_refuses_bad_ones_never_a_5xx(generation_dirs, tmp_path):
+    """Hypothesis draws /v1 bodies (tests/openai_bodies.py) against serve.sh with a tiny target: each odd but valid
+    one gets a whole 200 (a stream with its finish reason and [DONE]), each with one thing wrong and each non-request
+    a 4xx in OpenAI's error shape, garbage either, and none a 5xx; the server keeps serving, its log clean."""
+    from hypothesis import HealthCheck, example, given, settings
+    from openai_bodies import CHAT, COMPLETIONS, MAX_TOKENS, garbage_bodies, invalid_bodies, not_requests, valid_bodies
+
+    target_dir, drafter_dir = generation_dirs
+    model, seen = target_dir.name, Counter()
+    fuzz = settings(deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    srv = ServerProcess(drafter_dir, tmp_path / "server.log", TARGET=target_dir, GENERATION_PREFILL_CHUNK=16,
+                        GENERATION_DEFAULT_MAX_TOKENS=MAX_TOKENS)
+    with srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        @settings(fuzz, max_examples=150)
+        @given(valid_bodies(model))
+        @example((CHAT, {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                         "stream_options": {"include_usage": True}}))
+        def valid(case):
+            r, events = _send(http, *case)
+            assert r.status_code == 200, (case, r.status_code, r.text[:300])
+            assert _unfinished(case[0], r, events) is None, (case, _unfinished(case[0], r, events))
+            seen["valid, 200" + (" streamed" if events is not None else "")] += 1
+
+        @settings(fuzz, max_examples=200)
+        @given(invalid_bodies(model) | not_requests())
+        @example((COMPLETIONS, {"model": "gpt-4o", "prompt": "x"}))
+        def invalid(case):
+            r, _ = _send(http, *case)
+            assert 400 <= r.status_code < 500 and _openai_error(r), (case, r.status_code, r.text[:300])
+            seen[f"invalid, {r.status_code}"] += 1
+
+        @settings(fuzz, max_examples=100)
+        @given(garbage_bodies(model))
+        def garbage(case):
+            r, events = _send(http, *case)
+            assert r.status_code < 500, (case, r.status_code, r.text[:300])
+            if r.status_code == 200:
+                assert _unfinished(case[0], r, events) is None, (case, _unfinished(case[0], r, events))
+            else:
+                assert _openai_error(r), (case, r.status_code, r.text[:300])
+            seen[f"garbage, {r.status_code}"] += 1
+
+        valid()
+        invalid()
+        garbage()
+        print(f"\n/v1 fuzzer: {dict(sorted(seen.items()))}")
+        assert seen["valid, 200"] and seen["valid, 200 streamed"] and seen["invalid, 400"] and seen["invalid, 404"]
+        assert srv.proc.poll() is None and "Traceback" not in srv.log()
 
 
 # ------------------------------------------------------------------ bounded overload

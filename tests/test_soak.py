@@ -55,13 +55,16 @@ def test_short_soak_serves_cleanly_and_drafts_equal_requests_sent_alone(tmp_path
 
 
 def test_short_soak_with_a_target_mixes_generations_cleanly(generation_dirs, tmp_path, capsys):
-    """With --target half the clients generate on /v1 (streamed or not, logprobs sometimes, bad bodies, hang-ups)
-    beside /draft: no unexpected error, and the answers re-sent alone come back with the same text."""
+    """With --target half the clients generate on /v1 (streamed or not, logprobs sometimes, long prompts read in
+    chunks, bad bodies, hang-ups) beside /draft, after a phase of /draft alone: no unexpected error, the answers
+    re-sent alone come back with the same text, and /draft's latency is reported without and with generations."""
     target_dir, drafter_dir = generation_dirs
     out = tmp_path / "soak.json"
     code = load_soak().main(["--model-dir", str(drafter_dir), "--target", str(target_dir), "--duration", "15",
                              "--clients", "4", "--generate-every", "2", "--bucket-s", "15", "--max-len", "200",
-                             "--check", "40", "--log", str(tmp_path / "server.log"), "--json", str(out)])
+                             "--draft-only-s", "5", "--settle-s", "1", "--long-prompt-p", "0.3",
+                             "--set", "GENERATION_PREFILL_CHUNK=16", "--check", "40",
+                             "--log", str(tmp_path / "server.log"), "--json", str(out)])
     printed = capsys.readouterr().out
     rep = json.loads(out.read_text())
     assert code == 0 and rep["ok"] and not rep["errors"]["unexpected"], printed
@@ -73,3 +76,6 @@ def test_short_soak_with_a_target_mixes_generations_cleanly(generation_dirs, tmp
     assert any(case.startswith("v1_") for case in rep["malformed"]["by_case"])  # each generate client sent one
     assert rep["malformed"]["answered_4xx"] + rep["malformed"]["answered_503"] == rep["malformed"]["sent"]
     assert rep["disconnects"]["how"].get("hung_up_on_generation", 0) >= 1
+    lat = rep["draft_latency"]
+    assert lat["draft_only_s"] == 5 and lat["without_generations"]["served"] > 0
+    assert lat["with_generations"]["served"] > 0 and lat["p99_ratio"] > 0 and "/draft latency without" in printed

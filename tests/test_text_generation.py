@@ -249,6 +249,68 @@ def test_logprobs_under_speculation_are_plain_decodings_bit_for_bit(w8a8_runtime
         dataclasses_replace_top(e, 1) for e in plain[:needed]]
 
 
+def test_a_prompt_read_in_chunks_gives_the_same_answer_and_logprobs_bit_for_bit(w8a8_runtime):
+    """prefill_chunk (the server's GENERATION_PREFILL_CHUNK): a prompt several chunks long is read in passes of
+    its own, one empty delta each, and the answer, its tokens and their log-probabilities are the unchunked ones
+    exactly, with or without drafts; the drafter reads each chunk too, and a cache of its own is dropped at the
+    end."""
+    import dataclasses
+
+    from drafter_lib.decoding.text_generation import BoundedDrafter, TextGeneration, completion_prompt_ids
+
+    rt = w8a8_runtime
+    ids = completion_prompt_ids(rt, "A prompt long enough for several chunks of the target's prefill. " * 2)
+    assert len(ids) > 6 * 16
+    text, tokens, _ = reference(rt, ids, 40)
+    read = []
+
+    class Reading(BoundedDrafter):  # an oracle that records what it is asked to read ahead
+        def prefill(self, tokens):
+            read.append(len(tokens))
+
+    oracle = Reading(_oracle(ids, tokens, 4))
+    made = []
+    own = dataclasses.replace(rt)
+    own.new_target = lambda: made.append(rt.new_target()) or made[-1]
+    for drafter in (None, oracle):
+        plain = TextGeneration(rt, ids, 40, drafter, k=8, top_logprobs=3)
+        want = [e for d in plain for e in d.logprobs]
+        assert plain.stats.prefill_passes == 0
+        for chunk, own_cache in ((16, False), (16, True), (37, True), (len(ids) - 1, False), (len(ids), False)):
+            read.clear()
+            gen = TextGeneration(own, ids, 40, drafter, k=8, top_logprobs=3, prefill_chunk=chunk, own_cache=own_cache)
+            before = rt.target.cached_len
+            deltas = list(gen)
+            assert not own_cache or rt.target.cached_len == before  # the runtime's own target untouched
+            passes = len(range(chunk, len(ids), chunk))
+            assert gen.stats.prefill_passes == passes and [d.text for d in deltas[:passes]] == [""] * passes
+            assert "".join(d.text for d in deltas) == text and gen.stats.completion_tokens == len(tokens)
+            assert [e for d in deltas for e in d.logprobs] == want  # floats compared exactly
+            assert gen.stats.target_steps == plain.stats.target_steps  # prefill passes are not steps
+            assert read == ([chunk * (i + 1) for i in range(passes)] if drafter else [])
+    assert len(made) == 4 and all(t.cache is None for t in made)  # each own cache dropped once its generation ended
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        TextGeneration(rt, ids, 4, prefill_chunk=0)
+
+
+def test_a_bounded_drafter_reads_ahead_within_its_context():
+    from drafter_lib.decoding.text_generation import BoundedDrafter
+
+    asked = []
+
+    class Engine:
+        max_context = 20
+
+        def draft(self, tokens, k, **options):
+            asked.append((len(tokens), k, options))
+            return [1] * k
+
+    bounded = BoundedDrafter(Engine(), min_confidence=0.3)
+    bounded.prefill([0] * 10)
+    bounded.prefill([0] * 20)  # no room for a token: nothing to read ahead for
+    assert asked == [(10, 1, {"min_confidence": 0.3})]
+
+
 def dataclasses_replace_top(entry, n: int):
     import dataclasses
 

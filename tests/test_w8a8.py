@@ -8,7 +8,7 @@ import torch
 
 from drafter_lib.decoding import block_rows, w4a8, w8a8
 from drafter_lib.decoding.runtime import runtime_from_model, runtime_target
-from drafter_lib.decoding.speculative import FnDrafter, greedy_decode, speculative_generate
+from drafter_lib.decoding.speculative import FnDrafter, greedy_decode, prefill, speculative_generate, speculative_stream
 from drafter_lib.decoding.tree import DraftTree
 from drafter_lib.model.tiny_models import TINY_WEIGHT_SCALE
 from drafter_lib.model.transformer import ROW_BUCKET, Transformer
@@ -73,6 +73,33 @@ def test_verify_pass_logits_equal_one_token_steps_bit_for_bit(tiny_random, arch,
     target.rollback(len(context))  # row 0 beside other drafts: its logits stay the same
     beside = target.score([feed[0]] + torch.randint(0, 259, (8,), generator=gen).tolist(), keep=9)
     assert torch.equal(beside[0], one_by_one[0])
+
+
+@pytest.mark.parametrize("numerics", INTEGER_NUMERICS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_prompt_read_in_chunks_leaves_the_bits_of_one_pass(tiny_random, arch, numerics):
+    """prefill's passes (the server's GENERATION_PREFILL_CHUNK) write the K/V of one pass over the whole prompt, bit
+    for bit, and the step after them gets the same logits, whatever the chunk (chunks that end inside key blocks,
+    on their ends, one token each)."""
+    target = _runtime(tiny_random, arch, numerics=numerics)
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 259, (2 * ROW_BUCKET + 13,), generator=gen).tolist()
+    feed = torch.randint(0, 259, (9,), generator=gen).tolist()  # the first step: a draft after the prompt's rest
+    target.reset()
+    whole = target.score(prompt + feed, keep=len(feed) + 1)  # one pass (NativeTarget splits at 512 tokens only)
+    n = len(prompt) + len(feed)
+    kv = [t[..., :n, :].clone() for t in target.cache.k + target.cache.v]
+    for chunk in (1, 5, ROW_BUCKET, 100, len(prompt)):
+        passes = list(prefill(target, prompt, chunk))
+        assert passes == list(range(chunk, len(prompt), chunk))  # the tokens cached after each pass
+        rest = len(prompt) - (passes[-1] if passes else 0)
+        assert 1 <= rest <= chunk  # the first step reads the rest with its draft
+        assert torch.equal(target.score(prompt[len(prompt) - rest:] + feed, keep=len(feed) + 1), whole), chunk
+        assert all(torch.equal(a[..., :n, :], b) for a, b in zip(target.cache.k + target.cache.v, kv)), chunk
+    assert not list(prefill(target, prompt, len(prompt)))  # a prompt of one chunk: no pass before the first step
+    target.reset()
+    with pytest.raises(ValueError, match="prefilled=3"):  # the loop checks what the cache holds
+        speculative_stream(target, prompt, 4, prefilled=3)
 
 
 def _adversaries(plain: list[int], prompt_len: int, vocab: int):

@@ -54,6 +54,11 @@ class TargetRuntime:
     def model(self) -> Transformer:
         return self.target.model
 
+    def new_target(self) -> NativeTarget:
+        """Another Target over the same weights with a KV cache of its own: one per sequence in progress (the
+        server's concurrent generations); `target` is the one of a single sequence at a time."""
+        return NativeTarget(self.model, chunk=self.target.chunk, linears="stock")
+
 
 def runtime_target(model: Transformer, numerics: str = "w8a8", kernel: str | None = None,
                    calibration: Sequence[Sequence[int]] | None = None, blocks: dict | None = None) -> NativeTarget:

@@ -6,7 +6,8 @@ the target's plain greedy decoding, whatever the drafter proposes.
 
 Mean acceptance length (MAL) is defined once, here, as vLLM reports it: tokens per target step, the bonus token
 included, so plain decoding is 1.0. Every target forward pass is a step, the first one (which also reads the
-prompt) included: the first draft is verified together with the prompt.
+prompt) included: the first draft is verified together with the prompt. A long prompt may be read in passes of its
+own first (`prefill`, for a server that runs other work between them); those are not steps.
 
 Targets are causal LMs behind a small interface (`Target`): `HFTarget` wraps a transformers model, `NativeTarget`
 the hand-written decoder of `model.py`. Drafters are anything with `draft(tokens, k) -> list[int]`: a
@@ -241,6 +242,10 @@ class NativeTarget:
     def reset(self) -> None:
         self.cached_len = 0
 
+    def release(self) -> None:
+        """Drop the KV cache (a finished sequence's memory goes back; the next `score` makes a new one)."""
+        self.cache, self.cached_len = None, 0
+
     @torch.inference_mode()
     def score(self, new_tokens: Sequence[int], keep: int | None = None) -> torch.Tensor:
         start, total = self.cached_len, len(new_tokens)
@@ -376,7 +381,8 @@ def speculative_generate(target, prompt: Sequence[int], max_new_tokens: int, dra
 
 
 def speculative_stream(target, prompt: Sequence[int], max_new_tokens: int, drafter: Drafter | None = None,
-                       k: int = 16, stop_ids: Iterable[int] = (), tree_budget: int | None = None) -> Iterator[SpecStep]:
+                       k: int = 16, stop_ids: Iterable[int] = (), tree_budget: int | None = None,
+                       prefilled: int = 0) -> Iterator[SpecStep]:
     """The speculative loop, one `SpecStep` per target forward pass, so a caller can show tokens as they are
     accepted (or stop early: the loop holds nothing that needs closing). Arguments as `speculative_generate`; they
     are checked here, before the first step.
@@ -385,6 +391,8 @@ def speculative_stream(target, prompt: Sequence[int], max_new_tokens: int, draft
     the draft, then rolls its cache back to the accepted tokens; the bonus token enters with the next step.
     With `tree_budget` N the drafter proposes a tree (`drafter.draft_tree(tokens, N, max_depth)`, at most N nodes,
     at most k deep) that the target verifies in one tree-attention pass (`score_tree`, `commit_tree`).
+    `prefilled`: the target's cache already holds that many of the prompt's first tokens (`prefill`'s passes);
+    0: the loop empties the cache and its first step reads the whole prompt.
     """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
@@ -392,12 +400,34 @@ def speculative_stream(target, prompt: Sequence[int], max_new_tokens: int, draft
         raise ValueError(f"k must be >= 0, got {k}")
     target = as_target(target)
     seq = check_token_ids(list(prompt), target.vocab_size, "prompt")
-    return _steps(target, seq, max_new_tokens, drafter, k, {int(s) for s in stop_ids}, tree_budget)
+    if prefilled and not (target.cached_len == prefilled < len(seq)):
+        raise ValueError(f"prefilled={prefilled}: the target's cache holds {target.cached_len} tokens, and a "
+                         f"prefill leaves at least one of the prompt's {len(seq)} for the first step")
+    return _steps(target, seq, max_new_tokens, drafter, k, {int(s) for s in stop_ids}, tree_budget, prefilled)
+
+
+def prefill(target, prompt: Sequence[int], chunk: int) -> Iterator[int]:
+    """Read the prompt into an emptied cache of `target` in passes of `chunk` tokens, yielding the tokens cached
+    after each pass, so that a caller can run other work between them (the server: /draft batches and other
+    generations' steps). It stops with at most `chunk` tokens left: the first step of `speculative_stream(...,
+    prefilled=<the last value>)` reads them with the first draft, so a prompt of `chunk` tokens or fewer takes no
+    pass here. A target whose rows do not depend on the other rows of their pass (the runtime's row-exact
+    numerics) gives every row the bits of one pass over the whole prompt, so the answer and its logits do not
+    depend on `chunk`."""
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    prompt = list(prompt)
+    target.reset()
+    while len(prompt) - target.cached_len > chunk:
+        start = target.cached_len
+        target.score(prompt[start:start + chunk], keep=1)  # one row of logits: the least a Target computes
+        yield target.cached_len
 
 
 def _steps(target: Target, seq: list[int], max_new_tokens: int, drafter, k: int, stop: set[int],
-           tree_budget: int | None) -> Iterator[SpecStep]:
-    target.reset()
+           tree_budget: int | None, prefilled: int) -> Iterator[SpecStep]:
+    if not prefilled:
+        target.reset()
     made = 0
     while made < max_new_tokens:
         # No point drafting past the end: at most (remaining - 1) drafts + 1 bonus are still needed.

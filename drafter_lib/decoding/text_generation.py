@@ -6,6 +6,12 @@ per target step, the last one with its finish reason ("stop": a stop token or st
 or the end of the context). Decoding is greedy, so the text is the target's own plain greedy answer, decoded
 (`text_stream.py`), whatever drafts the drafter proposes; only the speed depends on them.
 
+With `prefill_chunk` a prompt longer than that is read in passes of that many tokens before the first step, one
+empty `TextDelta` each, so that the server runs /draft batches and other generations between them; the runtime's
+rows do not depend on the other rows of their pass, so the answer and its log-probabilities are the same bits
+whatever the chunk. With `own_cache` the generation runs on a KV cache of its own (`TargetRuntime.new_target`),
+dropped when it ends: generations that take turns on one runtime.
+
 Asked for (`top_logprobs`), each delta also carries the log-probabilities of its step's tokens: the target's
 log-softmax at each token's position, from the verify pass's own logits (a drafted token's row as much as the
 bonus token's), so they equal plain decoding's bit for bit wherever the target's rows do not depend on the other
@@ -20,7 +26,7 @@ from dataclasses import dataclass
 from drafter_lib.common.chat import encode_chat
 from drafter_lib.common.checks import check_token_ids
 from drafter_lib.decoding.runtime import TargetRuntime
-from drafter_lib.decoding.speculative import mean_acceptance_length, speculative_stream
+from drafter_lib.decoding.speculative import mean_acceptance_length, prefill, speculative_stream
 from drafter_lib.decoding.text_stream import TextStream, TokenText, check_stop_strings
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API
@@ -38,10 +44,11 @@ class GenerationInputError(ValueError):
 class GenerationStats:
     prompt_tokens: int
     completion_tokens: int = 0  # tokens generated, a stop token that ended the answer included
-    target_steps: int = 0  # target forward passes
+    target_steps: int = 0  # target forward passes that drafted and verified (the first reads the prompt's rest)
+    prefill_passes: int = 0  # target passes over the prompt alone before the first step (prefill_chunk)
     draft_tokens: int = 0  # draft tokens proposed
     accepted_tokens: int = 0  # of those, accepted by the target
-    seconds: float = 0.0  # from the first target step to the last
+    seconds: float = 0.0  # from the first target pass (a prefill's included) to the last
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -110,6 +117,11 @@ class BoundedDrafter:
             k = min(k, self.max_context - len(tokens))
         return list(self.drafter.draft(tokens, k, **self.options)) if k > 0 else []
 
+    def prefill(self, tokens: list[int]) -> None:
+        """Read `tokens` ahead of the first draft: a DraftEngine keeps their K/V in its prefix cache, and a later
+        context that extends them reads only the rest, so a long prompt's drafter pass is split as the target's."""
+        self.draft(tokens, 1)
+
 
 def drafter_for(runtime: TargetRuntime, engine, min_confidence: float | None = None) -> BoundedDrafter:
     """A DraftEngine as the drafter of `runtime`'s target, checked to speak the same vocabulary. Its drafts stop
@@ -128,11 +140,17 @@ class TextGeneration:
     step; `stats` counts as it goes and `finish_reason` is set at the end. At most `max_tokens` new tokens (None: up
     to the end of the context); `stop`: up to 4 strings, the text ends before the first one that appears;
     `top_logprobs` (0..20; None: none): each delta's tokens' log-probabilities, with that many most likely tokens
-    at each position."""
+    at each position. `prefill_chunk` (None: none) reads a longer prompt in passes of that many tokens first,
+    one empty delta each (a drafter with `prefill`, e.g. a BoundedDrafter, reads each chunk too); `own_cache` runs
+    on a KV cache of its own, dropped at the end (see the module doc)."""
 
     def __init__(self, runtime: TargetRuntime, prompt: Sequence[int], max_tokens: int | None = None, drafter=None,
-                 k: int = 16, stop: str | Sequence[str] | None = None, top_logprobs: int | None = None):
+                 k: int = 16, stop: str | Sequence[str] | None = None, top_logprobs: int | None = None,
+                 prefill_chunk: int | None = None, own_cache: bool = False):
         self.runtime, self.prompt, self.drafter, self.k = runtime, list(prompt), drafter, k
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk, self.own_cache = prefill_chunk, own_cache
         room = runtime.context_length - len(self.prompt)
         if not self.prompt:
             raise GenerationInputError("prompt is empty", "prompt")
@@ -159,12 +177,27 @@ class TextGeneration:
         self.finish_reason: str | None = None
 
     def __iter__(self) -> Iterator[TextDelta]:
+        target = self.runtime.new_target() if self.own_cache else self.runtime.target
+        try:
+            yield from self._deltas(target)
+        finally:  # run to the end, or dropped by a reader that stopped: the cache's memory goes back at once
+            if self.own_cache:
+                target.release()
+
+    def _deltas(self, target) -> Iterator[TextDelta]:
         stop_ids = set(self.runtime.stop_ids)
         text = TextStream(self.runtime.tokenizer, self.stop)
         stats, t0 = self.stats, time.perf_counter()
         scored = self._scorer() if self.top_logprobs is not None else None
-        for step in speculative_stream(self.runtime.target, self.prompt, self.max_tokens, self.drafter, self.k,
-                                       stop_ids):
+        prefilled, read_ahead = 0, getattr(self.drafter, "prefill", None)
+        for prefilled in prefill(target, self.prompt, self.prefill_chunk) if self.prefill_chunk else ():
+            if read_ahead is not None:
+                read_ahead(self.prompt[:prefilled])
+            stats.prefill_passes += 1
+            stats.seconds = time.perf_counter() - t0
+            yield TextDelta("", logprobs=None if scored is None else [])
+        for step in speculative_stream(target, self.prompt, self.max_tokens, self.drafter, self.k, stop_ids,
+                                       prefilled=prefilled):
             stats.target_steps += 1
             stats.draft_tokens += step.drafted
             stats.accepted_tokens += step.accepted

@@ -21,7 +21,8 @@ signal stops at once. A model that fails to load stops the server with exit stat
 
 With a target (TARGET: a target spec or a Hugging Face folder), the target loads on the same thread after the
 drafter, and the app also serves OpenAI's /v1/models, /v1/completions and /v1/chat/completions (openai_api.py):
-the target's greedy answers, drafted by the drafter, one generation at a time on the engine thread, under the same
+the target's greedy answers, drafted by the drafter, a few generations taking turns on the engine thread between the
+/draft batches (GENERATION_MAX_RUNNING, long prompts in chunks of GENERATION_PREFILL_CHUNK), under the same
 bounds of their own (GENERATION_MAX_QUEUE, GENERATION_TIMEOUT_S) and the server's (the drain, API keys). Without
 one the server is the drafter alone.
 
@@ -286,9 +287,11 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
     state.metrics.bind(batcher, lambda: state.engine, lambda: state.draining)
     started = time.time()
     if runtime is not None or settings.target is not None:
-        state.generations = GenerationRunner(batcher.call_in_worker, settings.generation_max_queue,
+        # the engine thread's background lane: a draft batch waits for at most the one generation pass running
+        state.generations = GenerationRunner(batcher.call_in_background, settings.generation_max_queue,
                                              settings.generation_timeout_s,
-                                             lambda gen, reason: state.metrics.observe_generation(reason, gen.stats))
+                                             lambda gen, reason: state.metrics.observe_generation(reason, gen.stats),
+                                             settings.generation_max_running)
         state.metrics.bind_generations(state.generations)
 
     @asynccontextmanager
@@ -335,7 +338,8 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
     app.openapi = openapi
     if state.generations is not None:
         add_openai_routes(app, state, state.generations, settings.target_name if runtime is None else runtime.name,
-                          int(started), DEFAULT_DRAFT_TOKENS, settings.generation_default_max_tokens)
+                          int(started), DEFAULT_DRAFT_TOKENS, settings.generation_default_max_tokens,
+                          settings.generation_prefill_chunk)
 
     def unavailable(exc: Overloaded, t0: float) -> JSONResponse:
         state.metrics.observe(503, time.perf_counter() - t0, exc.reason)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import math
 import queue
 import threading
@@ -84,25 +85,40 @@ class _Pending:
 
 
 class EngineThread(Executor):
-    """One daemon thread running the calls submitted to it in order: the thread that loads an engine and then runs
-    every call on it (see the module doc). A daemon, so Ctrl-C during a load (the kernels timed: minutes) ends the
-    process at once instead of waiting for the load, as a pool's worker would make it."""
+    """One daemon thread running the calls submitted to it: the thread that loads an engine and then runs every call
+    on it (see the module doc). A daemon, so Ctrl-C during a load (the kernels timed: minutes) ends the process at
+    once instead of waiting for the load, as a pool's worker would make it.
+
+    Two lanes: `submit`'s calls (draft batches, the load, info) run in order, each before any queued call of
+    `submit_background` (a generation's step or prompt chunk, in order among themselves). So a draft batch waits
+    for at most the one call running, however many generations take turns behind it; and the generations do not
+    starve, as the batcher has one call queued at a time and the thread takes a background call between two."""
+
+    _FIRST, _BACKGROUND, _LAST = 0, 1, 2  # lanes; _LAST: the shutdown mark, after every call already queued
 
     def __init__(self, name: str = "draft-engine"):
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()  # FIFO within a lane
         self._closed = False
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     def submit(self, fn, /, *args, **kwargs) -> Future:
+        return self._put(self._FIRST, fn, args, kwargs)
+
+    def submit_background(self, fn, /, *args, **kwargs) -> Future:
+        """As `submit`, run once no `submit` call is queued."""
+        return self._put(self._BACKGROUND, fn, args, kwargs)
+
+    def _put(self, lane: int, fn, args, kwargs) -> Future:
         if self._closed:
             raise RuntimeError("the engine thread is shut down")
         future: Future = Future()
-        self._calls.put((future, fn, args, kwargs))
+        self._calls.put((lane, next(self._order), (future, fn, args, kwargs)))
         return future
 
     def _work(self) -> None:
-        while (call := self._calls.get()) is not None:
+        while (call := self._calls.get()[2]) is not None:
             future, fn, args, kwargs = call
             if future.set_running_or_notify_cancel():
                 try:
@@ -113,7 +129,7 @@ class EngineThread(Executor):
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         if not self._closed:
             self._closed = True
-            self._calls.put(None)  # after the calls already queued
+            self._calls.put((self._LAST, next(self._order), None))  # after the calls already queued
         if wait and self._thread is not threading.current_thread():
             self._thread.join()
 
@@ -190,6 +206,14 @@ class MicroBatcher:
     async def call_in_worker(self, fn, *args):
         """Run `fn` on the engine's thread (anything else that touches the engine, e.g. info())."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    async def call_in_background(self, fn, *args):
+        """Run `fn` on the engine's thread behind any draft batch queued (EngineThread's background lane; another
+        executor: in order): a generation's steps, so that drafts wait for at most the one call running."""
+        submit = getattr(self._executor, "submit_background", None)
+        if submit is None:
+            return await self.call_in_worker(fn, *args)
+        return await asyncio.wrap_future(submit(fn, *args))
 
     def retry_after_s(self) -> int:
         """Seconds until the queue has likely drained: batches ahead x recent batch time (at least 1)."""

@@ -23,6 +23,8 @@ completions answer and `observe_generation` for each generation that ran):
   specdraft:generation_tokens_total             counter: tokens they generated
   specdraft:generation_target_steps_total       counter: their target forward passes (tokens / steps = the mean
                                                 acceptance length)
+  specdraft:generation_prefill_passes_total     counter: their passes over a long prompt alone, before the first
+                                                step (GENERATION_PREFILL_CHUNK tokens each)
   specdraft:generations_waiting / _running      gauges, read at scrape time from the runner `bind_generations` gave
 
 Read at scrape time from what `bind` gave (the batcher's and the engine's counters are plain numbers, read on the
@@ -168,10 +170,10 @@ class _ServerState:
                                 value=int(bool(self.draining())))
         g = self.generations
         if g is not None:
-            yield GaugeMetricFamily(PREFIX + "generations_waiting", "Generations waiting for the one running "
-                                    "(bounded by GENERATION_MAX_QUEUE).", value=g.waiting)
-            yield GaugeMetricFamily(PREFIX + "generations_running", "Generations running (at most 1).",
-                                    value=g.running)
+            yield GaugeMetricFamily(PREFIX + "generations_waiting", "Generations waiting for a running one to "
+                                    "end (bounded by GENERATION_MAX_QUEUE).", value=g.waiting)
+            yield GaugeMetricFamily(PREFIX + "generations_running", "Generations running (at most "
+                                    "GENERATION_MAX_RUNNING).", value=g.running)
         engine = self.current_engine()
         cache = engine.cache_info() if hasattr(engine, "cache_info") else {}
         for key, (name, doc) in CACHE_GAUGES.items():
@@ -212,6 +214,9 @@ class Metrics:
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=reg)
         self.generation_steps = Counter(PREFIX + "generation_target_steps", "Target forward passes of generations "
                                         "(generation_tokens / this = mean acceptance length).", registry=reg)
+        self.prefill_passes = Counter(PREFIX + "generation_prefill_passes", "Target passes of generations over a "
+                                      "long prompt alone, before their first step (GENERATION_PREFILL_CHUNK tokens "
+                                      "each).", registry=reg)
         self.http_errors = Counter(PREFIX + "http_errors", "Answers of status 400 and above on any path and method, "
                                    "whoever sent them (a route, the key check, the body bound, an unexpected error); "
                                    "endpoint: the route's path, or 'other' for a path no route serves.",
@@ -250,11 +255,12 @@ class Metrics:
         self.openai_requests.labels(status=str(status), reason=reason or "").inc()
 
     def observe_generation(self, finish_reason: str, stats) -> None:
-        """Each generation that ran: how it ended and its GenerationStats (tokens in and out, target steps)."""
+        """Each generation that ran: how it ended and its GenerationStats (tokens in and out, target passes)."""
         self.generations.labels(finish_reason=finish_reason).inc()
         self.prompt_tokens.inc(stats.prompt_tokens)
         self.generation_tokens.inc(stats.completion_tokens)
         self.generation_steps.inc(stats.target_steps)
+        self.prefill_passes.inc(stats.prefill_passes)
 
     def observe(self, status: int, seconds: float, reason: str | None = None) -> None:
         """Every /draft answer: its HTTP status, the seconds it took, and for a 503 the reason."""

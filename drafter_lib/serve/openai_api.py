@@ -4,11 +4,13 @@ POST /v1/completions and POST /v1/chat/completions, streamed (server-sent events
 The target answers greedily with the drafter proposing its next tokens (decoding/text_generation.py), so the text is
 the target's own greedy answer and only the speed depends on the drafter. Everything that touches the target or its
 tokenizer runs on the engine thread: the prompt's tokenization here, the generation itself in generations.py, one
-target step per call. Requests and answers: openai_schema.py. The bounds: GENERATION_MAX_QUEUE generations
-wait (then 503 with Retry-After), one not started within GENERATION_TIMEOUT_S gets 503, a drain (SIGTERM) lets the
-running and queued ones finish and refuses new ones, and API keys apply as to every endpoint. A chat request
-without `max_tokens` gets GENERATION_DEFAULT_MAX_TOKENS at most. A client that hangs up, streamed or not, stops
-its generation after the target step running then (the connection is watched, not only written to).
+target pass per call (a step, or a GENERATION_PREFILL_CHUNK-token chunk of a long prompt), up to
+GENERATION_MAX_RUNNING generations taking turns, each on a KV cache of its own. Requests and answers:
+openai_schema.py. The bounds: GENERATION_MAX_QUEUE generations wait (then 503 with Retry-After), one not started
+within GENERATION_TIMEOUT_S gets 503, a drain (SIGTERM) lets the running and queued ones finish and refuses new
+ones, and API keys apply as to every endpoint. A chat request without `max_tokens` gets
+GENERATION_DEFAULT_MAX_TOKENS at most. A client that hangs up, streamed or not, stops its generation after the
+target pass running then (the connection is watched, not only written to).
 """
 from __future__ import annotations
 
@@ -53,10 +55,12 @@ async def hang_up(request: Request, stream) -> None:
 
 
 def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name: str, created: int,
-                      draft_tokens: int, default_max_tokens: int | None = None) -> None:
+                      draft_tokens: int, default_max_tokens: int | None = None, prefill_chunk: int | None = None
+                      ) -> None:
     """The /v1 routes over `state` (app.ServeState: its `runtime`, `generation_drafter`, draining, in-flight count
     and metrics); `draft_tokens`: k, the most tokens drafted per target step; `default_max_tokens`: the bound of a
-    chat answer that asks for none (None: the rest of the context)."""
+    chat answer that asks for none (None: the rest of the context); `prefill_chunk`: the prompt tokens a generation
+    reads per pass before its first step (None: all in its first step)."""
     from drafter_lib.decoding.text_generation import (  # imported here so importing the app stays cheap
         GenerationInputError,
         TextGeneration,
@@ -91,8 +95,9 @@ def add_openai_routes(app: FastAPI, state, runner: GenerationRunner, model_name:
             else:
                 ids = completion_prompt_ids(runtime, request.single_prompt())
                 max_tokens = request.max_tokens
+            # a KV cache of its own: the runner lets several generations take turns
             return TextGeneration(runtime, ids, max_tokens, state.generation_drafter, draft_tokens, request.stop,
-                                  request.top_logprobs_asked)
+                                  request.top_logprobs_asked, prefill_chunk=prefill_chunk, own_cache=True)
         except GenerationInputError as e:
             param = e.param
             if chat and param == "prompt":

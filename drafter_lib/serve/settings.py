@@ -61,10 +61,16 @@ class Settings(BaseSettings):
     target_numerics: Literal[TARGET_NUMERICS] = "auto"  # how its linears multiply (decoding/runtime.py)
     # the bound of a chat answer that sets no max_tokens (and of what the context leaves: the smaller wins)
     generation_default_max_tokens: int = Field(2048, ge=1, le=1_000_000)
-    # generations waiting for the running one (GENERATION_MAX_QUEUE) before 503, and how long one may wait to start
-    # (GENERATION_TIMEOUT_S): apart from /draft's MAX_QUEUE and REQUEST_TIMEOUT_S, as an answer takes minutes
+    # generations waiting for a running one to end (GENERATION_MAX_QUEUE) before 503, and how long one may wait to
+    # start (GENERATION_TIMEOUT_S): apart from /draft's MAX_QUEUE and REQUEST_TIMEOUT_S, as an answer takes minutes
     generation_max_queue: int = Field(16, ge=1)
     generation_timeout_s: float = Field(300.0, gt=0)
+    # generations running at once, each on a KV cache of its own, taking turns on the engine thread; and the prompt
+    # tokens a generation reads per target pass before its first step: /draft batches and the other generations run
+    # between its passes, so a long prompt holds them up for one chunk's pass, not for the whole prompt's (128: as
+    # fast a prefill as one pass or chunks of 256 and 512, measured, with the shortest passes: docs/serving.md)
+    generation_max_running: int = Field(4, ge=1, le=64)
+    generation_prefill_chunk: int = Field(128, ge=1)
     api_key: SecretStr | None = None
     api_keys_file: Path | None = None
     behind_auth_proxy: bool = False

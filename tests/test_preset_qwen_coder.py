@@ -8,7 +8,6 @@ import pytest
 
 from drafter_lib.common import layout
 from drafter_lib.data import corpora as D
-from drafter_lib.model.hf_models import parse_keep
 from drafter_lib.study import config as C
 from drafter_lib.study import config_checks
 from drafter_lib.study import disk_estimate as de
@@ -39,17 +38,20 @@ def test_the_preset_builds_validates_and_round_trips(cfg):
                                                           C.QWEN_CODER_KEEP_LAYERS)
     assert (s.teacher, s.drafter_base) == ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
     assert s.device == "cpu"
-    assert parse_keep(s.keep_layers, 24) == [0, 3, 7, 10, 13, 16, 20, 23]
-    assert tr.draft_vocab_size == C.QWEN_CODER_DRAFT_VOCAB == 16384  # of 151,936 ids
+    assert s.keep_layers is None  # the whole 0.5B, as the seed kept the whole Qwen3-1.7B
+    assert tr.draft_vocab_size == C.QWEN_CODER_DRAFT_VOCAB == 32768  # of 151,936 ids: a head of its own
+    # the CPU recipe for a drafter of ~0.5B parameters; the teacher is the runtime, in the numerics it serves with
+    assert (tr.mixed_precision, tr.freeze_layers) == ("bf16", C.QWEN_CODER_FREEZE_LAYERS) and 0 < tr.freeze_layers < 24
+    assert (t.backend, t.numerics) == ("runtime", "w8a8")
     # moderate lengths; training rows hold the longest prompt and answer, so nothing is cut
     assert (d.max_prompt_tokens, t.max_new_tokens, tr.max_seq_len) == (256, 128, 384)
     assert config_checks.waste_notes(cfg) == []
-    assert d.total_prompts * t.max_new_tokens <= 12_500  # the teacher's budget at its measured 3.5 tokens/s
-    assert tr.total_steps <= 60 and tr.loss == "kl_topk"
+    assert d.total_prompts * t.max_new_tokens <= 160_000  # the runtime teacher's ~70 tokens/s: <= ~40 min
+    assert tr.total_steps <= 240 and tr.loss == "kl_topk"
     assert d.humaneval is True and e.limit <= 32 and e.max_new_tokens <= 64 and e.e2e_prompts <= 2
     assert all((layout.REPO_ROOT / f).is_file() for f in e.heldout_files)
     # the named parameters change what they name and nothing else
-    other = C.PRESETS["qwen-coder"](keep_layers="even:6", draft_vocab_size=8192)
+    other = C.PRESETS["qwen-coder"](keep_layers="even:6", draft_vocab_size=8192)  # a pruned shape to compare
     assert (other.study.keep_layers, other.train.draft_vocab_size) == ("even:6", 8192)
     assert C.build_config("qwen-coder", {"study.keep_layers": "first:4"}, check_models=False).study.keep_layers \
         == "first:4"
@@ -91,13 +93,14 @@ def test_the_prompt_set_follows_the_weights(cfg, tmp_path):
 
 def test_disk_estimate_for_the_qwen_models(cfg):
     est = de.estimate(cfg, SIZES[cfg.study.teacher]["vocab_size"])
-    assert (est.prompts, est.prompt_tokens, est.answer_tokens) == (96, 256, 128)
-    assert de.id_bytes(151936) == 8 and est.total < 100e6  # tens of MB: the answers are short, the rows few
+    assert (est.prompts, est.prompt_tokens, est.answer_tokens) == (1200, 256, 128)
+    assert de.id_bytes(151936) == 8 and est.total < 100e6  # tens of MB: the answers are short
     base = SIZES[cfg.study.drafter_base]
-    layers = len(parse_keep(cfg.study.keep_layers, base["num_hidden_layers"]))
-    params = de.drafter_params(base, layers, cfg.train.draft_vocab_size)
-    assert 260e6 < params < 290e6  # 8 layers ~119M (k, v counted as wide as q: more), embedding 136M, head 14.7M
-    assert de.drafter_params(base, layers, None) - params == (151936 - 16384) * 896  # what the reduced head saves
+    params = de.drafter_params(base, base["num_hidden_layers"], cfg.train.draft_vocab_size)
+    assert 540e6 < params < 570e6  # 24 layers ~391M (k, v counted as wide as q: more), embedding 136M, head 29.4M
+    assert de.drafter_params(base, 24, None) - params == (151936 - 32768) * 896  # what the reduced head saves
+    # the disk check counts every layer where keep_layers is None (it once skipped the check)
+    assert config_checks._train_bytes(cfg, dict(base))[1] == params
 
 
 def test_the_cli_accepts_the_preset(monkeypatch, capsys):
@@ -115,6 +118,6 @@ def test_the_cli_accepts_the_preset(monkeypatch, capsys):
     out = capsys.readouterr()
     printed = json.loads(out.out[:out.out.rindex("}") + 1])
     assert printed == res["config"].to_dict() and printed["study"]["teacher"] == "qwen2.5-coder-1.5b-instruct"
-    assert "96 prompts [data.total_prompts] x (256 prompt + 128 answer tokens)" in out.err
+    assert "1200 prompts [data.total_prompts] x (256 prompt + 128 answer tokens)" in out.err
     assert "[study] disk: training keeps at most" in out.err and "M drafter parameters" in out.err
     assert not layout.RunLayout.named("never-created-qwen-coder").root.exists()

@@ -395,7 +395,8 @@ def _train_bytes(cfg: ConfigSections, sizes: dict | None) -> tuple[int, int] | N
     if not sizes:
         return None
     try:
-        layers = len(parse_keep(cfg.study.keep_layers, sizes["num_hidden_layers"]))
+        keep, n = cfg.study.keep_layers, sizes["num_hidden_layers"]
+        layers = n if keep is None else len(parse_keep(keep, n))  # None keeps every layer
     except (ValueError, KeyError, TypeError):
         return None
     params = de.drafter_params(sizes, layers, cfg.train.draft_vocab_size)

@@ -8,7 +8,7 @@ stage runs, so a bad value fails in the first seconds with a message that names 
       train    TrainConfig    03_train_qat: train.py's own dataclass (the study fills its paths and model fields)
       quant    QuantSection   the int4 / int8 scheme that QAT trains with and 04_pack packs
       pack     PackConfig     04_pack: the copy policy shipped with the pack, which checkpoint, publishing to model/
-      eval     EvalConfig     05_eval: held-out prompts, k, draft-tree budgets, the end-to-end check
+      eval     EvalConfig     05_eval: held-out prompts, k, draft-tree budgets, a peer row, the end-to-end check
 
 The sections are defined in config_sections, the checks that `validate` runs in config_checks (both below this
 module: neither imports it).

@@ -106,6 +106,7 @@ def test_unknown_keys_name_the_key(overrides, key):
     ({"data.source_weights": {"synthetic": "x"}}, "data.source_weights"),
     ({"pack.publish": "yes"}, "pack.publish: expected bool"),
     ({"train": 5}, "train: expected a JSON object"),
+    ({"eval.peer": 5}, r"eval.peer: expected str \| null"),
 ])
 def test_wrong_types_name_the_key(overrides, key):
     with pytest.raises(C.ConfigError, match=key):
@@ -139,6 +140,9 @@ def test_wrong_types_name_the_key(overrides, key):
     ({"pack.checkpoint": "last"}, "pack.checkpoint"),
     ({"pack.min_confidence": 1.5}, "pack.min_confidence"),
     ({"pack.engine_dtype": "int4"}, "pack.engine_dtype"),
+    ({"eval.peer": "no-such-model"}, "eval.peer: unknown model spec 'no-such-model': expected 'smollm2-135m-instruct'"),
+    ({"eval.peer": "tiny-random:gpt2"}, "eval.peer: bad tiny model spec 'tiny-random:gpt2'"),
+    ({"eval.peer": ""}, "eval.peer: model spec must be a non-empty string"),
     # against the model's real sizes (the smoke teacher: 4 layers, hidden 64, MLP 128)
     ({"study.keep_layers": "even:5"}, "study.keep_layers: .*K must be in 1..4"),
     ({"study.keep_layers": [0, 4]}, "study.keep_layers: .*out of range"),
@@ -239,6 +243,16 @@ def test_stage_hashes_follow_the_keys_each_stage_reads():
     assert changed({"pack.publish": True}) == ["04_pack"]
     assert changed({"eval.k": 4}) == ["05_eval"]
     assert changed({"study.num_threads": 2}) == []  # speed, not results
+
+
+def test_eval_peer_round_trips_and_reruns_only_the_eval():
+    base = C.build_config("smoke")
+    assert base.eval.peer is None and C.preset("default").eval.peer is None  # no peer row unless named
+    cfg = C.build_config("smoke", {"eval.peer": "tiny-random:qwen2"})
+    assert cfg.eval.peer == "tiny-random:qwen2" and cfg.to_dict()["eval"]["peer"] == "tiny-random:qwen2"
+    assert C.StudyConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    assert [s for s in C.STAGE_KEYS if C.stage_hash(cfg, s) != C.stage_hash(base, s)] == ["05_eval"]
+    assert C.build_config("smoke", {"eval": {"peer": None}}) == base
 
 
 def test_cli_rejects_a_bad_config_before_running_anything(capsys):

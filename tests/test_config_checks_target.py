@@ -102,6 +102,40 @@ def test_a_drafter_base_with_another_tokenizer_is_refused(tmp_path, byte_tok, ch
     assert msg.endswith("or study.drafter_base=null to prune the teacher itself")
 
 
+def test_a_peer_must_have_the_teachers_tokenizer_and_run_in_the_engine(tmp_path, byte_tok, offline_hub):
+    """eval.peer drafts teacher token ids: its tokenizer and architecture are checked with the models, no weights."""
+    from drafter_lib.model.tiny_models import byte_tokenizer
+
+    peer = _model_dir(tmp_path / "peer", byte_tok)
+    assert C.build_config("smoke", {"eval.peer": peer}).eval.peer == peer
+    tok = byte_tokenizer()
+    tok.eos_token, tok.pad_token = "<|endoftext|>", "<|im_end|>"
+    other = _model_dir(tmp_path / "other", tok)
+    with pytest.raises(C.ConfigError) as e:
+        C.build_config("smoke", {"eval.peer": other})
+    msg = str(e.value)
+    assert msg.startswith(f"eval.peer: the tokenizer of {other!r} is not the teacher's ('tiny-random:llama'); peer "
+                          "vs teacher: eos id 256 vs 258"), msg
+    assert msg.endswith("choose a peer with exactly the teacher's tokenizer (usually a smaller model of the same "
+                        "family), or eval.peer=null")
+    C.build_config("smoke", {"eval.peer": other}, check_models=False)  # the tokenizer is read with the models only
+    gelu = _model_dir(tmp_path / "gelu", byte_tok, hidden_act="gelu")
+    with pytest.raises(C.ConfigError, match=r"^eval.peer: .* is a 'llama' model with 'gelu' MLPs; the drafting engine"):
+        C.build_config("smoke", {"eval.peer": gelu})
+
+
+def test_a_peer_that_is_the_drafter_base_is_read_once(tmp_path, byte_tok, offline_hub, monkeypatch):
+    base = _model_dir(tmp_path / "base", byte_tok)
+    read = []
+    real = ti.read_identity
+    monkeypatch.setattr(ti, "read_identity", lambda spec, **k: read.append(spec) or real(spec, **k))
+    C.build_config("smoke", {"study.drafter_base": base, "eval.peer": base})
+    assert read == ["tiny-random:llama", base]
+    read.clear()
+    C.build_config("smoke", {"eval.peer": "tiny-random:llama"})  # the teacher itself: nothing to compare
+    assert read == []
+
+
 def test_a_real_tokenizer_against_the_byte_tokenizer(tmp_path, offline_hub):
     tok = _default_tokenizer()
     base = _model_dir(tmp_path / "smol", tok, vocab_size=49152)

@@ -201,3 +201,32 @@ def test_report_has_every_drafter_per_category_and_position(tiny_target, tmp_pat
     assert not any("tree" in title for title in frames)  # no tree budgets
     pngs = ev.save_plots(m, tmp_path / "plots")
     assert [p.name for p in pngs][-1] == "category_heatmap.png" and pngs[-1].stat().st_size > 5000
+
+
+def test_one_drafter_under_two_names_is_simulated_once(tiny_target, tmp_path):
+    """The peer that is the whole drafter base (the stage's eval.peer) is the base row's engine: one simulation,
+    both rows its numbers, each paired with the primary."""
+    from drafter_lib.data.heldout import conversation_items
+    from drafter_lib.evaluation.drafters import engine_from_state_dict, ngram_drafter
+
+    model, tok = tiny_target
+    engine = engine_from_state_dict(model.config, model.state_dict())
+    calls = []
+    counted = FnDrafter(lambda toks, k: calls.append(len(toks)) or engine.draft(toks, k))
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    records = [{"id": "a", "category": "x", "messages": [user("say hello")]},
+               {"id": "b", "category": "y", "messages": [user("count to ten")]}]
+    drafters = {"peer: base": counted, "pruned base (untrained)": counted,
+                "n-gram lookup": ngram_drafter({"enabled": True, "max_ngram": 3, "min_ngram": 2})}
+    logs = []
+    m = ev.run_evaluation(model, tok, records, drafters, k=4, max_new_tokens=12, e2e_prompts=0,
+                          references_path=tmp_path / "refs.jsonl", log=logs.append)
+    once = len(calls)
+    prompts, refs = ev.conversation_references(model, tok, conversation_items(records), 12, tmp_path / "refs.jsonl")
+    simulate(counted, prompts, refs, k=4, grow=True)
+    assert once and len(calls) == 2 * once  # the evaluation drafted for one row only
+    peer, base = m["baselines"]["peer: base"], m["baselines"]["pruned base (untrained)"]
+    assert peer == base and peer is not base and m["mal_ci"]["peer: base"] == m["mal_ci"]["pruned base (untrained)"]
+    assert m["paired_vs_primary"]["peer: base"] == m["paired_vs_primary"]["pruned base (untrained)"]
+    assert any(line.startswith("pruned base (untrained)") and "(the drafter of 'peer: base')" in line
+               for line in logs)

@@ -121,3 +121,11 @@ def test_the_cli_accepts_the_preset(monkeypatch, capsys):
     assert "1200 prompts [data.total_prompts] x (256 prompt + 128 answer tokens)" in out.err
     assert "[study] disk: training keeps at most" in out.err and "M drafter parameters" in out.err
     assert not layout.RunLayout.named("never-created-qwen-coder").root.exists()
+
+
+def test_the_eval_has_the_untouched_drafter_base_as_its_peer(cfg):
+    """05_eval adds the row "peer: qwen2.5-coder-0.5b-instruct", paired with the pack, on the run's own references."""
+    assert cfg.eval.peer == C.QWEN_CODER_DRAFTER_BASE == cfg.study.drafter_base
+    assert C.build_config("qwen-coder", {"eval.peer": None}, check_models=False).eval.peer is None
+    assert config_checks._model_specs(cfg) == [("study.teacher", C.QWEN_CODER_TEACHER),
+                                               ("study.drafter_base", C.QWEN_CODER_DRAFTER_BASE)]  # installed once

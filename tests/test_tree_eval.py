@@ -407,3 +407,43 @@ def test_eval_stage_passes_the_tree_budgets(tmp_path, engine_trees):
     from drafter_lib.evaluation.evaluate import report_frames  # the stage shows its tables as frames, not printed
     frame = report_frames(m)["draft trees against their chain on the same prompts (paired)"]
     assert "packed tree 8" in frame.to_string()
+
+
+@pytest.mark.parametrize("keep_layers", ["even:2", None])
+def test_eval_stage_adds_the_peer_row(tmp_path, keep_layers, monkeypatch):
+    """eval.peer: a row "peer: SPEC" first, paired with the pack as shipped (the primary), on the run's references.
+    The peer here is the smoke teacher itself, so it drafts the target's own greedy tokens; with the whole drafter
+    base kept (keep_layers null) it is also the untrained base row's drafter: the same numbers, simulated once."""
+    from drafter_lib.common.files import write_jsonl
+    from drafter_lib.common.layout import RunLayout
+    from drafter_lib.evaluation.drafters import PRUNED_BASE
+    from drafter_lib.evaluation.evaluate import report_frames
+    from drafter_lib.model import hf_models
+    from drafter_lib.study import config, stages
+
+    cfg = config.build_config("smoke", {"eval.heldout_files": [], "eval.tree_budgets": [], "eval.limit": 2,
+                                        "eval.e2e_prompts": 0, "eval.max_new_tokens": 8, "eval.k": 4,
+                                        "eval.peer": "tiny-random:llama", "study.keep_layers": keep_layers},
+                              check_models=False)
+    run = RunLayout.of(tmp_path / "run")
+    model, _ = hf_models.load_teacher(stages.teacher_spec(cfg, run))
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    write_jsonl(run.train_prompts, [{"id": "t", "category": "train", "messages": [user("a training prompt")]}])
+    write_jsonl(run.heldout_prompts, [{"id": f"h{i}", "category": c, "messages": [user(f"{c} {i}?")]}
+                                      for i, c in enumerate(["x", "y"])])
+    _tiny_pack(model, run.model_dir).save_pretrained(run.best_distill)
+    if keep_layers is None:  # the base row's engine is the peer's: its weights are not loaded again
+        from drafter_lib.evaluation import drafters
+
+        monkeypatch.setattr(drafters, "peer_drafter", lambda *a, **k: pytest.fail("the peer loaded twice"))
+    m = stages.evaluate_run(cfg, run)
+    peer = "peer: tiny-random:llama"
+    assert list(m["baselines"]) == [peer, PRUNED_BASE, "distilled fp", "packed", "n-gram lookup",
+                                    "packed + copy prior"]
+    assert m["primary"] == "packed + copy prior" and m["paired_vs_primary"][peer]["prompts"] == 2
+    assert m["baselines"][peer]["mean_acceptance_length"] > 3.0  # the target's own weights: its greedy tokens
+    if keep_layers is None:
+        _same_numbers(m["baselines"][peer], m["baselines"][PRUNED_BASE])
+    assert json.loads(run.metrics.read_text())["mal_ci"][peer]["all"]["prompts"] == 2
+    frames = report_frames(m)
+    assert peer in frames["minus packed + copy prior, same prompts (paired)"].index

@@ -63,6 +63,9 @@ def ngram_drafter(copy_policy: dict | CopyPolicy | None = None) -> CopyDrafter:
     return CopyDrafter(dataclasses.replace(copy_policy, enabled=True))
 
 
+PRUNED_BASE = "pruned base (untrained)"  # the baselines row of the untrained drafter base
+
+
 def standard_baselines(model_dir: str | Path | None = None, base: tuple[dict, dict] | None = None,
                        fp: tuple[dict, dict] | None = None, ngram: bool = True, copy_prior: bool = True,
                        **engine_kw) -> dict:
@@ -73,7 +76,7 @@ def standard_baselines(model_dir: str | Path | None = None, base: tuple[dict, di
     engine_kw.setdefault("min_confidence", 0.0)
     out: dict = OrderedDict()
     if base is not None:
-        out["pruned base (untrained)"] = engine_from_state_dict(*base, copy_policy=None, **engine_kw)
+        out[PRUNED_BASE] = engine_from_state_dict(*base, copy_policy=None, **engine_kw)
     if fp is not None:
         out["distilled fp"] = engine_from_state_dict(*fp, copy_policy=None, **engine_kw)
     policy = None
@@ -106,7 +109,7 @@ def peer_drafter(spec: str, **engine_kw):
 # (the model alone) isolates what the tree itself adds. 8: the budget fastest end to end on a CPU target (the
 # engine's and the server's default, docs/studies/trees.md); 16: what a larger one still adds.
 DEFAULT_TREE_BUDGETS = (8, 16)
-TREE_SOURCES = ("pruned base (untrained)", "distilled fp", "packed", "packed + copy prior")
+TREE_SOURCES = (PRUNED_BASE, "distilled fp", "packed", "packed + copy prior")
 DEFAULT_TREE_SOURCES = ("packed + copy prior",)
 
 

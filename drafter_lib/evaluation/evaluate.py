@@ -23,6 +23,7 @@ CLI: specdraft-eval --model DIR --prompts FILE|rag:SEED ... [--target NAME] [--l
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -291,7 +292,8 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
                    tree_sources: Sequence[str] = DEFAULT_TREE_SOURCES, log: Callable[[str], None] = print) -> dict:
     """Every chat turn of `records` as an item (`heldout.conversation_items`; later turns: category "multi-turn"),
     those that fit the models' context, `limit` of them spread over the groups; simulate every drafter on the
-    target's greedy references (growing drafts, exact for these drafters), then the trees of `tree_budgets` nodes
+    target's greedy references (growing drafts, exact for these drafters; one drafter object under two names, e.g.
+    the peer that is the whole drafter base, once: both rows get its numbers), then the trees of `tree_budgets` nodes
     (depth <= k) of the drafters named in `tree_sources` that draft trees (`drafters.tree_rows`; the others are
     left out with a logged reason), then run real speculative decoding with the `primary` drafter (default: the
     last one) on `e2e_prompts` prompts, or `e2e_drafter` where given (the pack as shipped: its copy policy and its
@@ -323,7 +325,13 @@ def run_evaluation(target, tokenizer, records: Sequence[dict], drafters: dict, *
     log(f"references: {len(refs)} prompts, {sum(map(len, refs))} target tokens ({ref_s:.1f}s)")
     results: dict[str, dict] = OrderedDict()
     by_origin: dict[str, dict] = OrderedDict()
+    simulated: dict[int, str] = {}  # id(drafter) -> its first row: one drafter under two names is simulated once
     for name, d in drafters.items():
+        if (same := simulated.get(id(d))) is not None:
+            results[name], by_origin[name] = copy.deepcopy(results[same]), copy.deepcopy(by_origin[same])
+            log(f"{name:28s} MAL {results[name]['mean_acceptance_length']:.3f}  (the drafter of {same!r})")
+            continue
+        simulated[id(d)] = name
         res = simulate(d, prompts, refs, k=k, categories=groups, batch_size=batch_size, desc=name, grow=True)
         results[name] = res.to_dict()
         by_origin[name] = pool_by_origin(res.per_category, groups, origins)

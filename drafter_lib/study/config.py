@@ -8,7 +8,7 @@ stage runs, so a bad value fails in the first seconds with a message that names 
       train    TrainConfig    03_train_qat: train.py's own dataclass (the study fills its paths and model fields)
       quant    QuantSection   the int4 / int8 scheme that QAT trains with and 04_pack packs
       pack     PackConfig     04_pack: the copy policy shipped with the pack, which checkpoint, publishing to model/
-      eval     EvalConfig     05_eval: held-out prompts, k, draft-tree budgets, the end-to-end check
+      eval     EvalConfig     05_eval: held-out prompts, k, draft-tree budgets, a peer row, the end-to-end check
 
 The sections are defined in config_sections, the checks that `validate` runs in config_checks (both below this
 module: neither imports it).
@@ -189,7 +189,8 @@ def _qwen_coder(keep_layers: str | list[int] | None = QWEN_CODER_KEEP_LAYERS,
     #   least (docs/studies/target_runtime.md), is also the numerics the end-to-end benchmark serves with.
     # - 03_train_qat: bf16 autocast + the lower 12 layers frozen (`bench/train_step.py --compare`): ~7.7 s a step of
     #   4 x 384 tokens on AVX512_BF16 cores; without native bf16 matmuls expect ~3x longer (fp32 20.9 s).
-    # - 05_eval: 12 held-out prompts x 64 target tokens, one tree budget, 2 prompts end to end.
+    # - 05_eval: 12 held-out prompts x 64 target tokens, one tree budget, 2 prompts end to end; the untouched 0.5B
+    #   as the peer row to beat (with the whole 0.5B kept it is the untrained base row's engine: simulated once).
     # Checkpoints: ~400M trainable-or-not parameters + AdamW state of the upper half: ~3.5 GB each, every 20 steps.
     # lr 5e-5: the whole instruct model is already close; the pruned copies needed 1e-4 to stay stable.
     return StudyConfig(
@@ -202,7 +203,7 @@ def _qwen_coder(keep_layers: str | list[int] | None = QWEN_CODER_KEEP_LAYERS,
                                   ckpt_every=20, log_every=5, max_eval_batches=2, draft_vocab_size=draft_vocab_size,
                                   mixed_precision="bf16", freeze_layers=QWEN_CODER_FREEZE_LAYERS),
         eval=EvalConfig(limit=12, max_new_tokens=64, e2e_prompts=2, heldout_files=["data/heldout/mt_bench.jsonl"],
-                        tree_budgets=[8]))
+                        tree_budgets=[8], peer=QWEN_CODER_DRAFTER_BASE))
 
 
 PRESETS = {"smoke": _smoke, "default": StudyConfig, "long": _long, "full": _full, "qwen-coder": _qwen_coder}

@@ -84,8 +84,12 @@ def _check_spec(spec: str, key: str, lookup: bool = False) -> None:
 
 
 def _model_specs(cfg: ConfigSections) -> list[tuple[str, str]]:
-    s = cfg.study
-    return [("study.teacher", s.teacher)] + ([("study.drafter_base", s.drafter_base)] if s.drafter_base else [])
+    """(key, spec) of every model the run loads, each spec once: the teacher, the drafter base, the eval's peer."""
+    s, peer = cfg.study, cfg.eval.peer
+    out = [("study.teacher", s.teacher)] + ([("study.drafter_base", s.drafter_base)] if s.drafter_base else [])
+    if peer is not None and peer not in {spec for _, spec in out}:
+        out.append(("eval.peer", peer))
+    return out
 
 
 def _check_parts(cfg: ConfigSections, allow_download: bool) -> None:
@@ -128,30 +132,40 @@ def _check_hub_files(cfg: ConfigSections, allow_download: bool) -> None:
 
 
 def _check_tokenizers(cfg: ConfigSections, allow_download: bool) -> None:
-    """A drafter base must tokenize as the teacher does: the drafts are teacher token ids, and no mapping between two
-    tokenizers exists in the study. Read from tokenizer files or GGUF metadata, no weights."""
+    """A drafter base, and the eval's peer, must tokenize as the teacher does: the drafts are teacher token ids, and
+    no mapping between two tokenizers exists in the study. Read from tokenizer files or GGUF metadata, no weights."""
     from drafter_lib.model import tokenizer_identity as ti
 
     s = cfg.study
-    if s.drafter_base is None or s.drafter_base == s.teacher:
-        return  # a pruned copy of the teacher: the same tokenizer
+    # a pruned copy of the teacher (no drafter base) has its tokenizer; a spec already compared is not read twice
+    others = [(key, spec) for key, spec in _model_specs(cfg)[1:] if spec != s.teacher]
+    if not others:
+        return
     ids = {}
-    for key, spec in (("study.teacher", s.teacher), ("study.drafter_base", s.drafter_base)):
+    for key, spec in [("study.teacher", s.teacher)] + others:
         try:
             ids[key] = ti.read_identity(spec, allow_download=allow_download)
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"{key}: cannot read the tokenizer of {spec!r}: {e}") from None
-    if None in ids.values():
-        print(f"[config] tokenizers of {s.teacher!r} and {s.drafter_base!r} not compared (a hub tokenizer is not "
-              "cached and cannot be downloaded now); no stage compares them later", file=sys.stderr)
-        return
-    diffs = ti.differences(ids["study.drafter_base"], ids["study.teacher"], ("the drafter base's", "the teacher's"))
-    _need(not diffs, "study.drafter_base",
-          f"the tokenizer of {s.drafter_base!r} is not the teacher's ({s.teacher!r}); drafter base vs teacher: "
-          + "; ".join(diffs) + ". Drafts are token ids of the teacher's tokenizer, and a mapping between two "
-          "tokenizers is not implemented (identical tokenizers required): choose a drafter base with exactly the "
-          "teacher's tokenizer (usually a smaller model of the same family), or study.drafter_base=null to prune "
-          "the teacher itself")
+    for key, spec in others:
+        if ids["study.teacher"] is None or ids[key] is None:
+            print(f"[config] tokenizers of {s.teacher!r} and {spec!r} not compared (a hub tokenizer is not "
+                  "cached and cannot be downloaded now); no stage compares them later", file=sys.stderr)
+            continue
+        if key == "study.drafter_base":
+            diffs = ti.differences(ids[key], ids["study.teacher"], ("the drafter base's", "the teacher's"))
+            _need(not diffs, key,
+                  f"the tokenizer of {spec!r} is not the teacher's ({s.teacher!r}); drafter base vs teacher: "
+                  + "; ".join(diffs) + ". Drafts are token ids of the teacher's tokenizer, and a mapping between two "
+                  "tokenizers is not implemented (identical tokenizers required): choose a drafter base with exactly "
+                  "the teacher's tokenizer (usually a smaller model of the same family), or study.drafter_base=null "
+                  "to prune the teacher itself")
+        else:
+            diffs = ti.differences(ids[key], ids["study.teacher"], ("the peer's", "the teacher's"))
+            _need(not diffs, key,
+                  f"the tokenizer of {spec!r} is not the teacher's ({s.teacher!r}); peer vs teacher: "
+                  + "; ".join(diffs) + ". The peer's drafts are token ids the teacher verifies: choose a peer with "
+                  "exactly the teacher's tokenizer (usually a smaller model of the same family), or eval.peer=null")
 
 
 def _keep(keep, num_layers: int, key: str) -> list[int]:
@@ -240,6 +254,27 @@ def _check_model_sizes(cfg: ConfigSections, allow_download: bool) -> None:
         _need(h % q.embed_group_size == 0, "quant.embed_group_size",
               f"{q.embed_group_size} does not divide the drafter's hidden size {h} ({key}={spec!r}); group sizes "
               f"that fit: {_fits([h], q.embed_bits)}")
+
+
+def _check_peer_sizes(cfg: ConfigSections, allow_download: bool) -> None:
+    """The eval's peer is a model the drafting engine runs (its HF config, no weights; skipped when unreadable)."""
+    from drafter_lib.model.hf_models import model_sizes
+
+    spec = cfg.eval.peer
+    if spec is None or spec == (cfg.study.drafter_base or cfg.study.teacher):
+        return  # none, or the drafter base: checked as that
+    try:
+        sizes = model_sizes(spec, allow_download=allow_download)
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError(f"eval.peer: cannot read the sizes of {spec!r}: {e}") from None
+    if sizes is None:
+        print(f"[config] eval.peer: the config of {spec!r} is unknown (hub config not cached, offline): its "
+              "architecture is checked when 05_eval loads it", file=sys.stderr)
+        return
+    arch, act = sizes.get("model_type"), sizes.get("hidden_act", "silu")
+    _need(arch is None or (arch in SUPPORTED_ARCHS and act == "silu"), "eval.peer",
+          f"{spec!r} is a {arch!r} model with {act!r} MLPs; the drafting engine runs {list(SUPPORTED_ARCHS)} with "
+          "'silu' MLPs: choose a peer of those, with the teacher's tokenizer")
 
 
 def _check_writer(writer, backend: str) -> None:
@@ -345,6 +380,7 @@ def check(cfg: ConfigSections, check_models: bool = True, allow_download: bool =
         _check_hub_files(cfg, allow_download)
         _check_parts(cfg, allow_download)
         _check_model_sizes(cfg, allow_download)
+        _check_peer_sizes(cfg, allow_download)
         _check_tokenizers(cfg, allow_download)
     check_scale_out(cfg, check_models)
 

@@ -115,6 +115,10 @@ class EvalConfig:
     # (evaluation/drafters.py: a tree row costs several chain rows); add "packed" for the model's trees alone
     tree_budgets: list[int] = field(default_factory=lambda: list(DEFAULT_TREE_BUDGETS))
     tree_sources: list[str] = field(default_factory=lambda: list(DEFAULT_TREE_SOURCES))
+    # an off-the-shelf drafter to beat, as a model spec (e.g. "qwen2.5-coder-0.5b-instruct"; it must have the teacher's
+    # tokenizer): a row "peer: SPEC" on the run's own references, paired with the pack as specdraft-eval --peer does
+    # (drafters.peer_drafter: its fp32 weights, a fixed k). None: no peer row
+    peer: str | None = None
 
 
 class ConfigSections(Protocol):

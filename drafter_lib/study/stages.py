@@ -350,6 +350,21 @@ def eval_records(cfg: config.StudyConfig, run: RunLayout) -> tuple[list[dict], l
     return records, decls, sorted(overlap)
 
 
+def peer_engine(cfg: config.StudyConfig, run: RunLayout, baselines: dict):
+    """The drafter of eval.peer's row (`drafters.peer_drafter`). A peer that is the whole drafter base
+    (study.keep_layers null) is the "pruned base (untrained)" row's engine itself: the same fp32 weights, not loaded
+    twice, and simulated once (`evaluate.run_evaluation`)."""
+    from drafter_lib.evaluation import drafters
+    from drafter_lib.model import hf_models
+
+    spec = resolve_model(cfg.eval.peer, run)
+    base = baselines.get(drafters.PRUNED_BASE)
+    if (base is not None and cfg.study.keep_layers is None
+            and hf_models.parse_model_spec(spec) == hf_models.parse_model_spec(drafter_base_spec(cfg, run))):
+        return base
+    return drafters.peer_drafter(spec)
+
+
 def evaluate_run(cfg: config.StudyConfig, run: RunLayout) -> dict:
     """Every baseline on the target's greedy references of the held-out prompts (`eval_records`; chats turn by
     turn), then real speculative decoding with the packed drafter; writes metrics.json (and eval/metrics.json)
@@ -365,6 +380,8 @@ def evaluate_run(cfg: config.StudyConfig, run: RunLayout) -> dict:
     base_model, _ = hf_models.load_pruned_base(drafter_base_spec(cfg, run), cfg.study.keep_layers)
     base = (drafters.hf_config_dict(base_model.config), base_model.state_dict())
     baselines = drafters.standard_baselines(run.model_dir, base=base, fp=drafters.load_hf_checkpoint(run.best_distill))
+    if e.peer is not None:  # first, so the shipped pack stays the primary row the others are paired against
+        baselines = {f"peer: {e.peer}": peer_engine(cfg, run, baselines), **baselines}
     metrics = evaluate.run_evaluation(target, tok, records, baselines, k=e.k, max_new_tokens=e.max_new_tokens,
                                 group_by=e.group_by, e2e_prompts=e.e2e_prompts, e2e_k=e.e2e_k,
                                 references_path=run.references, limit=e.limit, tree_budgets=e.tree_budgets,

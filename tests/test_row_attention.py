@@ -67,3 +67,61 @@ def test_bad_inputs_are_refused():
         row_attention.attend(q, k, v, torch.zeros_like(lengths))
     with pytest.raises(RuntimeError, match="evenly"):
         row_attention.attend(q[:5], k, v, lengths[:5])
+
+
+def _cache_views(heads=12, dim=128, seed=1):
+    """The keys and values the row-exact pass hands the kernel: views of a KVCache's [B, kv heads, capacity, D]
+    buffers, one call per key block end (`_RowCall.keys`), and a whole single sequence's `k[0, :, :n]`; with each
+    call's one-query heads and lengths."""
+    from drafter_lib.model.kv_cache import KVCache
+    from drafter_lib.model.transformer import RowGroups
+
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(1, 3, 2, 256, dim)
+    for buf in (cache.k[0], cache.v[0]):
+        buf.copy_(torch.randn(buf.shape, generator=g))
+    positions = torch.tensor([[150 + t for t in range(9)], [140 + t for t in range(9)], [30 + t for t in range(9)]])
+    out = []
+    for c in RowGroups.of(positions).calls:
+        kg, vg = c.keys(cache.k[0], cache.v[0])
+        lengths = c.lengths(heads)
+        out.append((torch.randn(len(lengths), dim, generator=g), kg, vg, lengths))
+    n = 192
+    lengths = torch.tensor([n - 8 + t for t in range(9)]).repeat(heads)
+    out.append((torch.randn(len(lengths), dim, generator=g), cache.k[0][0, :, :n], cache.v[0][0, :, :n], lengths))
+    return out
+
+
+def _paths():
+    try:
+        row_attention.attend(*_inputs(queries=2, sequences=1, slots=4, dim=8), path="avx2")
+    except RuntimeError:  # no AVX2 here
+        return ["portable", "auto"]
+    return ["portable", "avx2", "auto"]
+
+
+@pytest.mark.parametrize("path", _paths())
+def test_a_kv_caches_strided_views_give_their_contiguous_copies_bits(path):
+    views = _cache_views()
+    assert all(not k.is_contiguous() and not v.is_contiguous() for _, k, v, _ in views)  # the cache's real layout
+    for q, k, v, lengths in views:
+        assert torch.equal(row_attention.attend(q, k, v, lengths, path),
+                           row_attention.attend(q, k.contiguous(), v.contiguous(), lengths, path))
+    # a head dimension that is not adjacent is copied first: the same bits again
+    q, k, v, lengths = views[-1]
+    k_t = k.transpose(1, 2).contiguous().transpose(1, 2)
+    assert k_t.stride(2) != 1
+    assert torch.equal(row_attention.attend(q, k_t, v, lengths, path), row_attention.attend(q, k, v, lengths, path))
+
+
+def _kernel_copies(q, k, v, lengths) -> set[str]:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        row_attention.attend(q, k, v, lengths)
+    return {e.name for e in prof.events()} & {"aten::contiguous", "aten::clone", "aten::copy_"}
+
+
+def test_a_kv_caches_views_are_read_in_place():
+    for q, k, v, lengths in _cache_views():
+        assert not _kernel_copies(q, k, v, lengths)
+    q, k, v, lengths = _cache_views()[-1]  # the profiler does see the kernel's own copies
+    assert _kernel_copies(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, lengths)

@@ -34,14 +34,19 @@ PATHS = {"auto": 0, "portable": 1, "avx2": 2}  # auto: AVX2 where the CPU has it
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, path: str = "auto"
            ) -> torch.Tensor:
     """q [Q, D], k and v [S, N, D] (query i reads sequence i // (Q / S)), lengths [Q] (query i reads slots
-    0 .. lengths[i] - 1) -> [Q, D], scaled by 1 / sqrt(D) as torch's attention is."""
+    0 .. lengths[i] - 1) -> [Q, D], scaled by 1 / sqrt(D) as torch's attention is.
+
+    k and v are read in place through their sequence and slot strides (the KV cache's per-sequence views are not
+    contiguous: no copy per layer), with the same bits as their contiguous copies; only keys and values that are not
+    fp32, or whose head dimension is not adjacent (stride 1), are copied first."""
     return torch.ops.specdraft.row_attention(q.float(), k.float(), v.float(), lengths, 1.0 / math.sqrt(q.shape[-1]),
                                              PATHS[path])
 
 
 def _check() -> str | None:
-    """The kernel against float64 attention, each query's bits alone against inside the batch, and the AVX2 path's
-    bits against the portable path's where the CPU runs it."""
+    """The kernel against float64 attention, each query's bits alone against inside the batch and on strided keys
+    and values (a KV cache's views) against contiguous ones, and the AVX2 path's bits against the portable path's
+    where the CPU runs it."""
     g = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(12, 64, generator=g), torch.randn(3, 70, 64, generator=g), torch.randn(3, 70, 64, generator=g)
     lengths = torch.randint(1, 71, (12,), generator=g)
@@ -53,6 +58,9 @@ def _check() -> str | None:
             return "its outputs disagree with float64 attention"
         if not torch.equal(attend(q[i:i + 1], k[s:s + 1], v[s:s + 1], lengths[i:i + 1])[0], y[i]):
             return "a query's bits alone differ from inside the batch"
+    kc, vc = torch.randn(2, 3, 80, 64, generator=g)[:, :, :70]  # sequences 80 slots apart, as a KV cache's views
+    if not torch.equal(attend(q, kc, vc, lengths), attend(q, kc.contiguous(), vc.contiguous(), lengths)):
+        return "its bits on strided keys and values differ from contiguous ones"
     try:
         wide = attend(q, k, v, lengths, "avx2")
     except RuntimeError:  # no AVX2 here

@@ -48,17 +48,19 @@ namespace {
       x[j] = x[j] < -87.f ? 0.f : p * scale;                                                                      \
     }                                                                                                             \
   }                                                                                                               \
-  void queries(const float* qp, const float* kp, const float* vp, const int64_t* len, int64_t i0, int64_t i1,      \
-               int64_t N, int64_t D, int64_t group, float sc, float* op) {                                        \
+  /* ks_, vs_: the key and value strides {sequence, slot} (a slot's D floats are adjacent) */                   \
+  void queries(const float* qp, const float* kp, const float* vp, const int64_t* ks_, const int64_t* vs_,         \
+               const int64_t* len, int64_t i0, int64_t i1, int64_t N, int64_t D, int64_t group, float sc,         \
+               float* op) {                                                                                       \
     std::vector<float> w(N), acc(D);                                                                              \
     for (int64_t i = i0; i < i1; ++i) {                                                                           \
       const float* qi = qp + i * D;                                                                               \
-      const float* ks = kp + (i / group) * N * D;                                                                 \
-      const float* vs = vp + (i / group) * N * D;                                                                 \
+      const float* ks = kp + (i / group) * ks_[0];                                                                \
+      const float* vs = vp + (i / group) * vs_[0];                                                                \
       const int64_t n = len[i];                                                                                   \
       float top = -INFINITY;                                                                                      \
       for (int64_t j = 0; j < n; ++j) {                                                                           \
-        w[j] = dot(qi, ks + j * D, D) * sc;                                                                       \
+        w[j] = dot(qi, ks + j * ks_[1], D) * sc;                                                                  \
         top = std::max(top, w[j]);                                                                                \
       }                                                                                                           \
       for (int64_t j = 0; j < n; ++j) w[j] = w[j] - top;                                                          \
@@ -67,7 +69,7 @@ namespace {
       for (int64_t j = 0; j < n; ++j) total = total + w[j];                                                       \
       std::fill(acc.begin(), acc.end(), 0.f);                                                                     \
       for (int64_t j = 0; j < n; ++j) {                                                                           \
-        const float* vj = vs + j * D;                                                                             \
+        const float* vj = vs + j * vs_[1];                                                                        \
         for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + w[j] * vj[d];                                           \
       }                                                                                                           \
       for (int64_t d = 0; d < D; ++d) op[i * D + d] = acc[d] / total;                                             \
@@ -103,7 +105,12 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const int64_t Q = q.size(0), D = q.size(1), S = k.size(0), N = k.size(1);
   TORCH_CHECK(k.size(2) == D && S > 0 && Q % S == 0, "row_attention: ", Q, " queries do not share ", S,
               " key sequences evenly, or the head sizes differ");
-  const auto qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
+  // k and v are read through their sequence and slot strides (the KV cache's [kv heads, n, D] views of
+  // [heads, capacity, D] buffers are not contiguous, and copying them cost every layer of every pass); only a
+  // slot whose D floats are not adjacent is copied
+  const auto qc = q.contiguous();
+  const auto kc = k.stride(2) == 1 ? k : k.contiguous(), vc = v.stride(2) == 1 ? v : v.contiguous();
+  const int64_t kst[2] = {kc.stride(0), kc.stride(1)}, vst[2] = {vc.stride(0), vc.stride(1)};
   const auto lc = lengths.contiguous();
   const int64_t* len = lc.data_ptr<int64_t>();
   for (int64_t i = 0; i < Q; ++i)
@@ -118,9 +125,9 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const bool wide = path == 2 || (path == 0 && has_avx2());
   at::parallel_for(0, Q, 1, [&](int64_t i0, int64_t i1) {
     if (wide)
-      avx2::queries(qp, kp, vp, len, i0, i1, N, D, group, sc, op);
+      avx2::queries(qp, kp, vp, kst, vst, len, i0, i1, N, D, group, sc, op);
     else
-      portable::queries(qp, kp, vp, len, i0, i1, N, D, group, sc, op);
+      portable::queries(qp, kp, vp, kst, vst, len, i0, i1, N, D, group, sc, op);
   });
   return out;
 }

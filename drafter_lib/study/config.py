@@ -16,7 +16,7 @@ module: neither imports it).
 Presets: smoke (CI-sized, a tiny random teacher), default (SmolLM2-135M-Instruct, offline, 73-81 min on 2 Xeon
 cores), long (the default with Dolly prompts and ~1.5x the answers and steps: the shipped pack's, 2 h 16 min on 2
 cores), full (Qwen3-8B teacher, Qwen3-1.7B drafter, pinned hub revisions; GPU + hub), qwen-coder (Qwen2.5-Coder-1.5B
-teacher, a pruned Qwen2.5-Coder-0.5B drafter, coding prompts; CPU, sized provisionally for <= 150 min on 2 cores).
+teacher in the target runtime, the whole Qwen2.5-Coder-0.5B drafter, coding prompts; CPU, ~2 h on 2 AVX512_BF16 cores).
 docs/study_guide.md
 Overrides (`--set KEY=JSON`): `section.key` (`train.steps=3`, `pack.copy_policy.enabled=false`), a whole section
 as a dict that merges (`train={"steps": 3}`), or an old flat preset key (`publish=true`, `num_threads=1`, `k=4`).

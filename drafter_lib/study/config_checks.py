@@ -216,23 +216,16 @@ def _fits(sizes: list[int], bits: int) -> list[int]:
 
 def _check_model_sizes(cfg: ConfigSections, allow_download: bool) -> None:
     """keep_layers and group sizes against the drafter base's real sizes (skipped when they cannot be read)."""
-    from drafter_lib.model.hf_models import model_sizes
 
     s, q = cfg.study, cfg.quant
     spec = s.drafter_base or s.teacher
     key = "study.drafter_base" if s.drafter_base else "study.teacher"
-    try:
-        sizes = model_sizes(spec, allow_download=allow_download)
-    except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"{key}: cannot read the sizes of {spec!r}: {e}") from None
+    sizes = _engine_model_sizes(spec, key, allow_download,
+                                "choose a drafter base of those (study.drafter_base), whose tokenizer is the target's")
     if sizes is None:
         print(f"[config] sizes of {spec!r} unknown (hub config not cached, offline): keep_layers and group sizes "
               "are checked when training starts")
         return
-    arch, act = sizes.get("model_type"), sizes.get("hidden_act", "silu")
-    _need(arch is None or (arch in SUPPORTED_ARCHS and act == "silu"), key,
-          f"{spec!r} is a {arch!r} model with {act!r} MLPs; the drafting engine runs {list(SUPPORTED_ARCHS)} with "
-          "'silu' MLPs: choose a drafter base of those (study.drafter_base), whose tokenizer is the target's")
     kept = sizes["num_hidden_layers"]
     if s.keep_layers is not None:
         kept = len(_keep(s.keep_layers, sizes["num_hidden_layers"], "study.keep_layers"))
@@ -258,23 +251,31 @@ def _check_model_sizes(cfg: ConfigSections, allow_download: bool) -> None:
 
 def _check_peer_sizes(cfg: ConfigSections, allow_download: bool) -> None:
     """The eval's peer is a model the drafting engine runs (its HF config, no weights; skipped when unreadable)."""
-    from drafter_lib.model.hf_models import model_sizes
 
     spec = cfg.eval.peer
     if spec is None or spec == (cfg.study.drafter_base or cfg.study.teacher):
         return  # none, or the drafter base: checked as that
+    if _engine_model_sizes(spec, "eval.peer", allow_download, "choose a peer of those, with the teacher's "
+                           "tokenizer") is None:
+        print(f"[config] eval.peer: the config of {spec!r} is unknown (hub config not cached, offline): its "
+              "architecture is checked when 05_eval loads it", file=sys.stderr)
+
+
+def _engine_model_sizes(spec: str, key: str, allow_download: bool, choose: str) -> dict | None:
+    """hf_models.model_sizes of a model the drafting engine will run, its architecture checked (None: not readable
+    offline); `choose` ends the error for another architecture."""
+    from drafter_lib.model.hf_models import model_sizes
+
     try:
         sizes = model_sizes(spec, allow_download=allow_download)
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError(f"eval.peer: cannot read the sizes of {spec!r}: {e}") from None
-    if sizes is None:
-        print(f"[config] eval.peer: the config of {spec!r} is unknown (hub config not cached, offline): its "
-              "architecture is checked when 05_eval loads it", file=sys.stderr)
-        return
-    arch, act = sizes.get("model_type"), sizes.get("hidden_act", "silu")
-    _need(arch is None or (arch in SUPPORTED_ARCHS and act == "silu"), "eval.peer",
-          f"{spec!r} is a {arch!r} model with {act!r} MLPs; the drafting engine runs {list(SUPPORTED_ARCHS)} with "
-          "'silu' MLPs: choose a peer of those, with the teacher's tokenizer")
+        raise ConfigError(f"{key}: cannot read the sizes of {spec!r}: {e}") from None
+    if sizes is not None:
+        arch, act = sizes.get("model_type"), sizes.get("hidden_act", "silu")
+        _need(arch is None or (arch in SUPPORTED_ARCHS and act == "silu"), key,
+              f"{spec!r} is a {arch!r} model with {act!r} MLPs; the drafting engine runs {list(SUPPORTED_ARCHS)} "
+              f"with 'silu' MLPs: {choose}")
+    return sizes
 
 
 def _check_writer(writer, backend: str) -> None:

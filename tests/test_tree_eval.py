@@ -380,22 +380,30 @@ def test_cli_without_engine_trees_leaves_the_rows_out(tmp_path, tiny_target, cap
     assert "\nleft out: packed + copy prior: DraftEngine has no draft_tree" in printed  # and in the tree table
 
 
-def test_eval_stage_passes_the_tree_budgets(tmp_path, engine_trees):
+def _smoke_run_with_prompts(tmp_path, cfg):
+    """A run dir with one training prompt and two held-out prompts of two categories, and the smoke teacher."""
     from drafter_lib.common.files import write_jsonl
     from drafter_lib.common.layout import RunLayout
     from drafter_lib.model import hf_models
-    from drafter_lib.study import config, stages
+    from drafter_lib.study import stages
 
-    cfg = config.build_config("smoke", {"eval.heldout_files": [], "eval.tree_budgets": [4, 8], "eval.limit": 2,
-                                        "eval.tree_sources": ["packed + copy prior", "packed"],
-                                        "eval.e2e_prompts": 0, "eval.max_new_tokens": 8, "eval.k": 4},
-                              check_models=False)
     run = RunLayout.of(tmp_path / "run")
     model, _ = hf_models.load_teacher(stages.teacher_spec(cfg, run))
     user = lambda text: {"role": "user", "content": text}  # noqa: E731
     write_jsonl(run.train_prompts, [{"id": "t", "category": "train", "messages": [user("a training prompt")]}])
     write_jsonl(run.heldout_prompts, [{"id": f"h{i}", "category": c, "messages": [user(f"{c} {i}?")]}
                                       for i, c in enumerate(["x", "y"])])
+    return run, model
+
+
+def test_eval_stage_passes_the_tree_budgets(tmp_path, engine_trees):
+    from drafter_lib.study import config, stages
+
+    cfg = config.build_config("smoke", {"eval.heldout_files": [], "eval.tree_budgets": [4, 8], "eval.limit": 2,
+                                        "eval.tree_sources": ["packed + copy prior", "packed"],
+                                        "eval.e2e_prompts": 0, "eval.max_new_tokens": 8, "eval.k": 4},
+                              check_models=False)
+    run, model = _smoke_run_with_prompts(tmp_path, cfg)
     drafter = _tiny_pack(model, run.model_dir)
     drafter.save_pretrained(run.best_distill)
     m = stages.evaluate_run(cfg, run)
@@ -414,23 +422,15 @@ def test_eval_stage_adds_the_peer_row(tmp_path, keep_layers, monkeypatch):
     """eval.peer: a row "peer: SPEC" first, paired with the pack as shipped (the primary), on the run's references.
     The peer here is the smoke teacher itself, so it drafts the target's own greedy tokens; with the whole drafter
     base kept (keep_layers null) it is also the untrained base row's drafter: the same numbers, simulated once."""
-    from drafter_lib.common.files import write_jsonl
-    from drafter_lib.common.layout import RunLayout
     from drafter_lib.evaluation.drafters import PRUNED_BASE
     from drafter_lib.evaluation.evaluate import report_frames
-    from drafter_lib.model import hf_models
     from drafter_lib.study import config, stages
 
     cfg = config.build_config("smoke", {"eval.heldout_files": [], "eval.tree_budgets": [], "eval.limit": 2,
                                         "eval.e2e_prompts": 0, "eval.max_new_tokens": 8, "eval.k": 4,
                                         "eval.peer": "tiny-random:llama", "study.keep_layers": keep_layers},
                               check_models=False)
-    run = RunLayout.of(tmp_path / "run")
-    model, _ = hf_models.load_teacher(stages.teacher_spec(cfg, run))
-    user = lambda text: {"role": "user", "content": text}  # noqa: E731
-    write_jsonl(run.train_prompts, [{"id": "t", "category": "train", "messages": [user("a training prompt")]}])
-    write_jsonl(run.heldout_prompts, [{"id": f"h{i}", "category": c, "messages": [user(f"{c} {i}?")]}
-                                      for i, c in enumerate(["x", "y"])])
+    run, model = _smoke_run_with_prompts(tmp_path, cfg)
     _tiny_pack(model, run.model_dir).save_pretrained(run.best_distill)
     if keep_layers is None:  # the base row's engine is the peer's: its weights are not loaded again
         from drafter_lib.evaluation import drafters

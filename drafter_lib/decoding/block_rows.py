@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 
 SOURCE = Path(__file__).parent / "csrc" / "block_rows.cpp"
-BODY = SOURCE.with_name("block_rows_simd.h")
+HEADERS = [SOURCE.with_name(n) for n in ("block_rows_simd.h", "block_rows_wide.h")]
 FORMATS = {"Q8_0": 0, "Q4_1": 1, "Q4_K": 2, "Q6_K": 3}
 PATHS = {"portable": 1, "avx2": 2, "avx_vnni": 3, "avx512_vnni": 4}  # the kernel's instruction-set paths
 ACT_BLOCK = {"Q8_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}  # inputs per activation scale, as llama.cpp
@@ -169,8 +169,8 @@ def kernel_unavailable() -> str | None:
 
 
 def _flags() -> list[str]:
-    # the vector paths' body is a header: its hash in the flags rebuilds the extension when it changes
-    body = hashlib.sha256(BODY.read_bytes()).hexdigest()[:16]
+    # the vector paths' bodies are headers: their hash in the flags rebuilds the extension when they change
+    body = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DSPECDRAFT_BODY_{body}"]
 
 

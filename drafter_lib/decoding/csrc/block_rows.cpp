@@ -12,8 +12,10 @@
 // Exact by construction, and the same bits on every path. Integer products are summed in int32 lanes: lane l of a
 // 32-input chunk holds the sum of inputs 4l..4l+3 (what vpdpbusd, and vpmaddubsw + vpmaddwd, give), times the
 // chunk's integer sub-scale; integer sums are exact in any order. The floats then follow one fixed recipe per
-// (row, output): per block, acc[l] += (d_w * d_a) * float(lane l), in eight lanes, block after block; a scalar
-// term per block for the minima; at the end a fixed sum of the eight lanes. Every path (portable C++, AVX2,
+// (row, output): per block, acc[l] += (d_w * d_a) * float(lane l), in eight lanes, block after block (Q4_K then
+// acc[l] -= (dmin_w * d_a) * float(minima lane l), its minima's integer term in lanes too: lane l < 4 holds groups
+// 2l and 2l + 1, what one vpmaddwd gives; Q4_1 adds a scalar term per block); at the end a fixed sum of the eight
+// lanes. Q6_K's -32 is an integer term of its own lanes (lane l: groups 2l and 2l + 1). Every path (portable C++, AVX2,
 // AVX-VNNI, AVX-512 VNNI) runs that recipe with the same operations (no FMA: built with -ffp-contract=off), and a
 // row's arithmetic never depends on the other rows, the tile, or the thread: a row's output is bit-identical alone
 // or inside a pass of any number of rows.
@@ -42,12 +44,22 @@ struct Rows {
   std::vector<int8_t> a;
   std::vector<float> d, sa;
   std::vector<int16_t> s16, s32;
+  std::vector<int8_t> a128;  // a per 128 inputs in the order 0-31, 64-95, 32-63, 96-127 (AVX-512 Q4_K tiles only)
   const int8_t* arow(int64_t m) const { return a.data() + m * K; }
   const float* drow(int64_t m) const { return d.data() + m * (K / B); }
   const float* sarow(int64_t m) const { return sa.data() + m * (K / 32); }
   const int16_t* s16row(int64_t m) const { return s16.data() + m * (K / 16); }
   const int16_t* s32row(int64_t m) const { return s32.data() + m * (K / 32); }
+  const int8_t* a128row(int64_t m) const { return a128.data() + m * K; }
 };
+
+// Rows::a128: the inputs in the order in which one 64-byte load of a Q4_K row's nibbles lays them out (two chunks'
+// low nibbles, then their high nibbles). Blocks of 32 move whole, so an input keeps its lane (i mod 32) / 4.
+void order_by_128(Rows& r) {
+  r.a128.resize(r.a.size());
+  for (int64_t j = 0; j < r.M * r.K; j += 128)
+    for (int h = 0; h < 4; ++h) std::memcpy(&r.a128[j + 32 * h], &r.a[j + 32 * ((h & 1) * 2 + (h >> 1))], 32);
+}
 
 Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
   Rows r{M, K, B, std::vector<int8_t>(M * K), std::vector<float>(M * (K / B)), std::vector<float>(M * (K / 32)),
@@ -93,6 +105,12 @@ struct Weight {
   const float* d;
   const float* dm;
 };
+
+// The four int32 lanes' sum (integers: any order gives the same value).
+inline int32_t hsum4(__m128i v) {
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+}
 
 // ------------------------------------------------------------------------------------------- the portable path
 namespace portable {
@@ -155,12 +173,12 @@ void row_dot(const Weight& w, int64_t n, const Rows& r, int64_t m, float* y) {
         lanes(lo, a + sb * 256 + c * 64, L, sc[g], sc[g]);
         lanes(hi, a + sb * 256 + c * 64 + 32, L, sc[g + 1], sc[g + 1]);
       }
-      int32_t mins = 0;
-      for (int g = 0; g < 8; ++g) mins += static_cast<int32_t>(mn[sb * 8 + g]) * r.s32row(m)[sb * 8 + g];
+      int32_t mins[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // lane l < 4: groups 2l and 2l + 1
+      for (int g = 0; g < 8; ++g) mins[g / 2] += static_cast<int32_t>(mn[sb * 8 + g]) * r.s32row(m)[sb * 8 + g];
       const float da = r.drow(m)[sb];
-      const float D = w.d[n * (K / 256) + sb] * da;
+      const float D = w.d[n * (K / 256) + sb] * da, Dmin = w.dm[n * (K / 256) + sb] * da;
       for (int l = 0; l < 8; ++l) acc[l] = acc[l] + D * static_cast<float>(L[l]);
-      scalar = scalar - (w.dm[n * (K / 256) + sb] * da) * static_cast<float>(mins);
+      for (int l = 0; l < 8; ++l) acc[l] = acc[l] - Dmin * static_cast<float>(mins[l]);
     }
   } else {  // Q6_K
     const uint8_t* q = w.q + n * K;
@@ -169,9 +187,8 @@ void row_dot(const Weight& w, int64_t n, const Rows& r, int64_t m, float* y) {
       int32_t L[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       for (int c = 0; c < 8; ++c)
         lanes(q + sb * 256 + c * 32, a + sb * 256 + c * 32, L, sc[sb * 16 + 2 * c], sc[sb * 16 + 2 * c + 1]);
-      int32_t offset = 0;  // the -32 of every value, through the activations' sums per 16
-      for (int g = 0; g < 16; ++g) offset += static_cast<int32_t>(sc[sb * 16 + g]) * r.s16row(m)[sb * 16 + g];
-      L[0] -= 32 * offset;
+      // the -32 of every value, through the activations' sums per 16: lane l takes groups 2l and 2l + 1
+      for (int g = 0; g < 16; ++g) L[g / 2] -= 32 * (static_cast<int32_t>(sc[sb * 16 + g]) * r.s16row(m)[sb * 16 + g]);
       const float D = w.d[n * (K / 256) + sb] * r.drow(m)[sb];
       for (int l = 0; l < 8; ++l) acc[l] = acc[l] + D * static_cast<float>(L[l]);
     }
@@ -220,6 +237,7 @@ inline __m256i SCALED_ADD(__m256i acc, __m256i u, __m256i a, __m256i s) {
 }  // namespace avx_vnni
 #pragma GCC pop_options
 
+// AVX-512 also multiplies the K formats 64 inputs at a time (block_rows_wide.h): half the instructions a weight.
 #pragma GCC push_options
 #pragma GCC target("avx2,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace avx512_vnni {
@@ -230,7 +248,10 @@ inline __m256i DOT(__m256i u, __m256i a) { return _mm256_dpbusd_epi32(_mm256_set
 inline __m256i SCALED_ADD(__m256i acc, __m256i u, __m256i a, __m256i s) {
   return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, a), s);
 }
+#define WIDE_TILES
 #include "block_rows_simd.h"
+#include "block_rows_wide.h"
+#undef WIDE_TILES
 }  // namespace avx512_vnni
 #pragma GCC pop_options
 
@@ -278,7 +299,8 @@ at::Tensor block_rows_mm(const at::Tensor& x, int64_t format, const at::Tensor& 
   if (path == AUTO) path = best_path();
   TORCH_CHECK(cpu_has(path), "block_rows_mm: this CPU cannot run path ", path);
   const auto xc = x.contiguous();
-  const Rows r = quantize_rows(xc.data_ptr<float>(), M, K, B);
+  Rows r = quantize_rows(xc.data_ptr<float>(), M, K, B);
+  if (path == AVX512_VNNI && format == Q4_K) order_by_128(r);
   Weight w{format, N, K, static_cast<const uint8_t*>(q.data_ptr()),  // Q8_0's int8 values are read as int8
            sc.numel() ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr,
            mn.numel() ? mn.data_ptr<uint8_t>() : nullptr, d.data_ptr<float>(),

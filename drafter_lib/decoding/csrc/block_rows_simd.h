@@ -1,11 +1,23 @@
 // The vector paths' body (block_rows.cpp), included once per instruction set inside a namespace that defines
 // DOT(u, a), SCALED_ADD(acc, u, a, s) and scale_lanes(lo, hi). Each step mirrors `portable::row_dot` lane for lane.
 
-// The four int32 lanes' sum (integers: any order gives the same value).
-inline int32_t hsum4(__m128i v) {
-  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
+// Q4_K's minima: lanes 0-3 take mn[2l] s[2l] + mn[2l + 1] s[2l + 1] (one vpmaddwd; s the row's sums per 32),
+// lanes 4-7 zero
+inline __m256 minus_minima(__m256 acc, float Dmin, __m128i mn16, const int16_t* s32) {
+  const __m128i m = _mm_madd_epi16(mn16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(s32)));
+  return _mm256_sub_ps(acc, _mm256_mul_ps(_mm256_set1_ps(Dmin), _mm256_cvtepi32_ps(_mm256_zextsi128_si256(m))));
 }
+
+// Q6_K's -32 of every value: lane l takes 32 (sc[2l] s[2l] + sc[2l + 1] s[2l + 1]), s the row's sums per 16
+inline __m256i minus_32(__m256i L, __m256i sc16, const int16_t* s16) {
+  const __m256i p = _mm256_madd_epi16(sc16, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s16)));
+  return _mm256_sub_epi32(L, _mm256_slli_epi32(p, 5));
+}
+
+#ifdef WIDE_TILES
+template <int T>
+void wide_tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y);  // block_rows_wide.h
+#endif
 
 template <int T>
 void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
@@ -63,13 +75,10 @@ void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
           L[t] = SCALED_ADD(SCALED_ADD(L[t], lo, load(at), s0), hi, load(at + 32), s1);
         }
       }
-      // the minima's integer term, sum_g mn[g] * (the row's sum over group g), in one vpmaddwd (exact in int32)
       const __m128i mn16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn + sb * 8)));
       for (int t = 0; t < T; ++t) {
-        const int32_t mins = hsum4(_mm_madd_epi16(
-            mn16, _mm_loadu_si128(reinterpret_cast<const __m128i*>(r.s32row(m0 + t) + sb * 8))));
         add_block(t, w.d[n * (K / 256) + sb] * da[t][sb], L[t]);
-        scalar[t] = scalar[t] - (w.dm[n * (K / 256) + sb] * da[t][sb]) * static_cast<float>(mins);
+        acc[t] = minus_minima(acc[t], w.dm[n * (K / 256) + sb] * da[t][sb], mn16, r.s32row(m0 + t) + sb * 8);
       }
     }
   } else {  // Q6_K
@@ -83,14 +92,9 @@ void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
         const __m256i s = scale_lanes(sc[sb * 16 + 2 * c], sc[sb * 16 + 2 * c + 1]);
         for (int t = 0; t < T; ++t) L[t] = SCALED_ADD(L[t], u, load(a[t] + sb * 256 + c * 32), s);
       }
-      // the -32 of every value, sum_g sc[g] * (the row's sum over the 16 inputs of g), in one vpmaddwd
       const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + sb * 16)));
-      for (int t = 0; t < T; ++t) {
-        const __m256i p = _mm256_madd_epi16(sc16, load(r.s16row(m0 + t) + sb * 16));
-        const int32_t offset = hsum4(_mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
-        L[t] = _mm256_sub_epi32(L[t], _mm256_setr_epi32(32 * offset, 0, 0, 0, 0, 0, 0, 0));
-        add_block(t, w.d[n * (K / 256) + sb] * da[t][sb], L[t]);
-      }
+      for (int t = 0; t < T; ++t)
+        add_block(t, w.d[n * (K / 256) + sb] * da[t][sb], minus_32(L[t], sc16, r.s16row(m0 + t) + sb * 16));
     }
   }
   for (int t = 0; t < T; ++t) {
@@ -100,14 +104,22 @@ void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
   }
 }
 
+template <int T>
+inline void any_tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
+#ifdef WIDE_TILES
+  if (w.format == Q4_K || w.format == Q6_K) return wide_tile<T>(w, n, r, m0, y);
+#endif
+  tile<T>(w, n, r, m0, y);
+}
+
 void run(const Weight& w, const Rows& r, int64_t n0, int64_t n1, float* y) {
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m0 = 0; m0 < r.M; m0 += MB) {
       switch (std::min<int64_t>(MB, r.M - m0)) {
-        case 1: tile<1>(w, n, r, m0, y); break;
-        case 2: tile<2>(w, n, r, m0, y); break;
-        case 3: tile<3>(w, n, r, m0, y); break;
-        default: tile<4>(w, n, r, m0, y); break;
+        case 1: any_tile<1>(w, n, r, m0, y); break;
+        case 2: any_tile<2>(w, n, r, m0, y); break;
+        case 3: any_tile<3>(w, n, r, m0, y); break;
+        default: any_tile<4>(w, n, r, m0, y); break;
       }
     }
 }

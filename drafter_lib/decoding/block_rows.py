@@ -36,9 +36,10 @@ ACT_BLOCK = {"Q8_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}  # inputs per act
 
 @dataclass
 class BlockWeight:
-    """A weight [N, K] as the kernel reads it (see csrc/block_rows.cpp): `q` the quantized values, `sc` / `mn` the
-    integer sub-scales and minima (Q4_K; Q6_K's int8 scales in `sc`), `d` / `dm` the float scales and minima (Q4_1's
-    m, Q4_K's dmin); unused fields are empty tensors."""
+    """A weight [N, K] as the kernel reads it (see csrc/block_rows.cpp): `q` the quantized values (4-bit formats and
+    Q6_K: two a byte, Q6_K's low four bits), `sc` / `mn` the integer sub-scales and minima (Q4_K; Q6_K's int8 scales
+    in `sc` and the values' top two bits, four a byte, in `mn`), `d` / `dm` the float scales and minima (Q4_1's m,
+    Q4_K's dmin); unused fields are empty tensors."""
     format: str
     q: torch.Tensor
     sc: torch.Tensor
@@ -87,7 +88,18 @@ class BlockWeight:
             step, low = d * self.sc.double().reshape(n, -1), dmin * self.mn.double().reshape(n, -1)
             return (u * step[..., None] - low[..., None]).reshape(n, k)
         scale = self.d.double().repeat_interleave(16, 1) * self.sc.double().reshape(n, -1)  # Q6_K
-        return ((self.q.double().reshape(n, -1, 16) - 32) * scale[..., None]).reshape(n, k)
+        return ((q6_values(self.q, self.mn).double().reshape(n, -1, 16) - 32) * scale[..., None]).reshape(n, k)
+
+
+def q6_values(ql: torch.Tensor, qh: torch.Tensor) -> torch.Tensor:
+    """Q6_K's values 0..63 [N, K] from its low nibbles ql [N, K/2] and top bit pairs qh [N, K/4], as the file packs
+    them per half super-block of 128 inputs: input 32i + j takes nibble (i // 2) of ql[32 (i % 2) + j] and bit pair
+    i of qh[j] (llama.cpp's dequantize_row_q6_K)."""
+    n = ql.shape[0]
+    ql, qh = ql.reshape(n, -1, 2, 32), qh.reshape(n, -1, 1, 32)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2)  # quarters i = 0..3: ql[0:32] low, ql[32:64] low, then high
+    high = torch.cat([(qh >> (2 * i)) & 3 for i in range(4)], dim=2)
+    return (low | (high << 4)).reshape(n, -1)
 
 
 def _empty(dtype=torch.uint8) -> torch.Tensor:
@@ -120,16 +132,13 @@ def from_gguf(raw: np.ndarray, format: str, in_features: int) -> BlockWeight:
         q = torch.from_numpy(np.ascontiguousarray(b[..., 16:]).reshape(n, k // 2))
         return BlockWeight(format, q, torch.from_numpy(sc.reshape(n, -1).copy()),
                            torch.from_numpy(mn.reshape(n, -1).copy()), _f16(b[..., 0:2]), _f16(b[..., 2:4]), k)
-    if format == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, int8 scales[16], fp16 d
-        b = raw.reshape(n, k // 256, 210)
-        ql, qh = b[..., :128].reshape(n, -1, 2, 64), b[..., 128:192].reshape(n, -1, 2, 32)
-        # per half of 128 inputs: inputs 0..31 = ql[0:32] low | qh bits 0-1, 32..63 = ql[32:64] low | bits 2-3,
-        # 64..95 = ql[0:32] high | bits 4-5, 96..127 = ql[32:64] high | bits 6-7
-        low = [ql[..., 0:32] & 0x0F, ql[..., 32:64] & 0x0F, ql[..., 0:32] >> 4, ql[..., 32:64] >> 4]
-        q = np.stack([lo | (((qh >> (2 * i)) & 3) << 4) for i, lo in enumerate(low)], axis=-2)  # [n, sb, 2, 4, 32]
+    if format == "Q6_K":  # per 256: 128 bytes of low nibbles, 64 of top bit pairs, int8 scales[16], fp16 d
+        b = raw.reshape(n, k // 256, 210)  # the bits stay packed as stored (q6_values says how they unpack)
+        ql = torch.from_numpy(np.ascontiguousarray(b[..., :128]).reshape(n, k // 2))
+        qh = torch.from_numpy(np.ascontiguousarray(b[..., 128:192]).reshape(n, k // 4))
         sc = np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, -1)
-        return BlockWeight(format, torch.from_numpy(q.reshape(n, k).astype(np.uint8)), torch.from_numpy(sc.copy()),
-                           _empty(), _f16(b[..., 208:210]), _empty(torch.float32), k)
+        return BlockWeight(format, ql, torch.from_numpy(sc.copy()), qh, _f16(b[..., 208:210]),
+                           _empty(torch.float32), k)
     raise ValueError(f"no kernel for GGUF type {format}; the kernel takes {sorted(FORMATS)}")
 
 
@@ -198,8 +207,8 @@ def random_weight(format: str, n: int, k: int, generator: torch.Generator) -> Bl
     if format == "Q4_K":
         return BlockWeight(format, ints(0, 255, (n, k // 2), torch.uint8), ints(0, 63, (n, k // 32), torch.uint8),
                            ints(0, 63, (n, k // 32), torch.uint8), scales((n, k // 256)), scales((n, k // 256)), k)
-    return BlockWeight(format, ints(0, 63, (n, k), torch.uint8), ints(-128, 127, (n, k // 16), torch.int8), _empty(),
-                       scales((n, k // 256)), _empty(torch.float32), k)
+    return BlockWeight(format, ints(0, 255, (n, k // 2), torch.uint8), ints(-128, 127, (n, k // 16), torch.int8),
+                       ints(0, 255, (n, k // 4), torch.uint8), scales((n, k // 256)), _empty(torch.float32), k)
 
 
 def paths_here() -> tuple[str, ...]:
@@ -323,6 +332,6 @@ def _(x, format, q, sc, mn, d, dm, path):
     return x.new_empty(x.shape[0], q.shape[0])
 
 
-__all__ = ["BlockWeight", "BlockLinear", "use_block_linears", "FORMATS", "PATHS", "ACT_BLOCK", "from_gguf",
+__all__ = ["BlockWeight", "BlockLinear", "use_block_linears", "FORMATS", "PATHS", "ACT_BLOCK", "from_gguf", "q6_values",
            "from_float",
            "quantize_rows", "block_rows_mm", "kernel_unavailable", "paths_here", "random_weight"]

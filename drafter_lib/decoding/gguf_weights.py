@@ -75,6 +75,7 @@ def read_linears(path: str | Path) -> dict[str, BlockWeight]:
 
 
 FIELDS = ("q", "sc", "mn", "d", "dm")
+LAYOUT = 2  # of the fields in the cache: 2 keeps Q6_K's bits packed as the file does
 
 
 def cached_linears(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> dict[str, BlockWeight]:
@@ -86,7 +87,7 @@ def cached_linears(path: str | os.PathLike, cache_dir: str | os.PathLike | None 
 
     path = Path(path)
     st = path.stat()
-    out = cache_root(cache_dir) / "gguf_blocks" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}.safetensors"
+    out = cache_root(cache_dir) / "gguf_blocks" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-v{LAYOUT}.safetensors"
     if out.is_file():
         with safe_open(out, "pt") as f:
             meta = json.loads(f.metadata()["linears"])

@@ -7,7 +7,9 @@
 //   Q4_1: q uint8 [N, K/2] (per 32: low nibbles 0..15, high 16..31), d, m [N, K/32]      w = d * q + m
 //   Q4_K: q uint8 [N, K/2] (per 64: low nibbles 0..31, high 32..63), sc, mn uint8 [N, K/32], d, dmin [N, K/256]
 //                                                               w = d * sc * q - dmin * mn
-//   Q6_K: q uint8 [N, K] in 0..63, sc int8 [N, K/16], d [N, K/256]                      w = d * sc * (q - 32)
+//   Q6_K: q uint8 [N, K/2] (low nibbles), mn uint8 [N, K/4] (top bit pairs), sc int8 [N, K/16], d [N, K/256]
+//         as the file packs them per 128 inputs: value 32i + j = nibble i / 2 of q[32 (i % 2) + j] | bit pair i of
+//         mn[j] << 4 (q6_value)                                                          w = d * sc * (value - 32)
 //
 // Exact by construction, and the same bits on every path. Integer products are summed in int32 lanes: lane l of a
 // 32-input chunk holds the sum of inputs 4l..4l+3 (what vpdpbusd, and vpmaddubsw + vpmaddwd, give), times the
@@ -112,6 +114,12 @@ inline int32_t hsum4(__m128i v) {
   return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
 }
 
+// Q6_K's value 32i + j of a half super-block (ql: its 64 bytes of low nibbles, qh: its 32 bytes of top bit pairs)
+inline uint8_t q6_value(const uint8_t* ql, const uint8_t* qh, int i, int j) {
+  const uint8_t low = i < 2 ? ql[32 * (i % 2) + j] & 0x0F : ql[32 * (i % 2) + j] >> 4;
+  return static_cast<uint8_t>(low | (((qh[j] >> (2 * i)) & 3) << 4));
+}
+
 // ------------------------------------------------------------------------------------------- the portable path
 namespace portable {
 
@@ -181,12 +189,17 @@ void row_dot(const Weight& w, int64_t n, const Rows& r, int64_t m, float* y) {
       for (int l = 0; l < 8; ++l) acc[l] = acc[l] - Dmin * static_cast<float>(mins[l]);
     }
   } else {  // Q6_K
-    const uint8_t* q = w.q + n * K;
+    const uint8_t* ql = w.q + n * (K / 2);
+    const uint8_t* qh = w.mn + n * (K / 4);
     const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc) + n * (K / 16);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       int32_t L[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int c = 0; c < 8; ++c)
-        lanes(q + sb * 256 + c * 32, a + sb * 256 + c * 32, L, sc[sb * 16 + 2 * c], sc[sb * 16 + 2 * c + 1]);
+      for (int c = 0; c < 8; ++c) {
+        uint8_t u[32];
+        for (int j = 0; j < 32; ++j)
+          u[j] = q6_value(ql + sb * 128 + (c / 4) * 64, qh + sb * 64 + (c / 4) * 32, c % 4, j);
+        lanes(u, a + sb * 256 + c * 32, L, sc[sb * 16 + 2 * c], sc[sb * 16 + 2 * c + 1]);
+      }
       // the -32 of every value, through the activations' sums per 16: lane l takes groups 2l and 2l + 1
       for (int g = 0; g < 16; ++g) L[g / 2] -= 32 * (static_cast<int32_t>(sc[sb * 16 + g]) * r.s16row(m)[sb * 16 + g]);
       const float D = w.d[n * (K / 256) + sb] * r.drow(m)[sb];
@@ -282,7 +295,7 @@ at::Tensor block_rows_mm(const at::Tensor& x, int64_t format, const at::Tensor& 
   TORCH_CHECK(q.scalar_type() == (format == Q8_0 ? at::kChar : at::kByte) && q.dim() == 2 && q.is_contiguous(),
               "block_rows_mm: q has the wrong dtype or layout");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), B = act_block(format);
-  const int64_t qcols = (format == Q4_1 || format == Q4_K) ? K / 2 : K;
+  const int64_t qcols = format == Q8_0 ? K : K / 2;
   TORCH_CHECK(K % B == 0 && q.size(1) == qcols, "block_rows_mm: K = ", K, " does not fit the weight ", q.sizes());
   TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == N * (K / (format >= Q4_K ? 256 : 32)),
               "block_rows_mm: d has the wrong dtype or size");
@@ -294,8 +307,9 @@ at::Tensor block_rows_mm(const at::Tensor& x, int64_t format, const at::Tensor& 
                     mn.is_contiguous() && sc.numel() == N * (K / 32) && mn.numel() == N * (K / 32),
                 "block_rows_mm: Q4_K's sc and mn must be uint8 [N, K / 32]");
   if (format == Q6_K)
-    TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.numel() == N * (K / 16),
-                "block_rows_mm: Q6_K's sc must be int8 [N, K / 16]");
+    TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.numel() == N * (K / 16) &&
+                    mn.scalar_type() == at::kByte && mn.is_contiguous() && mn.numel() == N * (K / 4),
+                "block_rows_mm: Q6_K's sc must be int8 [N, K / 16] and its top bits mn uint8 [N, K / 4]");
   if (path == AUTO) path = best_path();
   TORCH_CHECK(cpu_has(path), "block_rows_mm: this CPU cannot run path ", path);
   const auto xc = x.contiguous();

@@ -82,13 +82,20 @@ void tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) {
       }
     }
   } else {  // Q6_K
-    const uint8_t* q = w.q + n * K;
+    const uint8_t* ql = w.q + n * (K / 2);
+    const uint8_t* qh = w.mn + n * (K / 4);
     const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc) + n * (K / 16);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       __m256i L[T];
       for (int t = 0; t < T; ++t) L[t] = _mm256_setzero_si256();
-      for (int c = 0; c < 8; ++c) {
-        const __m256i u = load(q + sb * 256 + c * 32);
+      for (int c = 0; c < 8; ++c) {  // chunk c: quarter i = c % 4 of half c / 4 (q6_value)
+        const int i = c % 4;
+        const __m256i raw = load(ql + sb * 128 + (c / 4) * 64 + 32 * (i % 2));
+        const __m256i low = _mm256_and_si256(i < 2 ? raw : _mm256_srli_epi16(raw, 4), m4x2);
+        const __m256i h = load(qh + sb * 64 + (c / 4) * 32);  // bit pair i of each byte to bits 4-5 (16-bit
+        const __m256i top = i == 0 ? _mm256_slli_epi16(h, 4)   // shifts: what crosses a byte is masked off)
+                            : i == 1 ? _mm256_slli_epi16(h, 2) : i == 2 ? h : _mm256_srli_epi16(h, 2);
+        const __m256i u = _mm256_or_si256(low, _mm256_and_si256(top, _mm256_set1_epi8(0x30)));
         const __m256i s = scale_lanes(sc[sb * 16 + 2 * c], sc[sb * 16 + 2 * c + 1]);
         for (int t = 0; t < T; ++t) L[t] = SCALED_ADD(L[t], u, load(a[t] + sb * 256 + c * 32), s);
       }

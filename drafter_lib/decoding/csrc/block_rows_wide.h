@@ -68,15 +68,28 @@ void wide_tile(const Weight& w, int64_t n, const Rows& r, int64_t m0, float* y) 
     }
   } else {  // Q6_K: a register holds 64 inputs, four groups of 16
     static const __m512i s_of[4] = {pick4(0), pick4(4), pick4(8), pick4(12)};
-    const uint8_t* q = w.q + n * K;
+    // a half super-block's 64 bytes of nibbles give its inputs 0-63 (low) and 64-127 (high); its 32 bytes of top
+    // bits, in both halves of a register, give bit pairs 0 | 1 (low) and 2 | 3 (high) at bits 4-5 by 16-bit shifts
+    constexpr long long W0 = 0, W2 = 0x0002000200020002LL, W4 = 0x0004000400040004LL;  // a count per 16-bit word
+    static const __m512i up_lo = _mm512_set_epi64(W2, W2, W2, W2, W4, W4, W4, W4);  // shift left 4 | 2
+    static const __m512i down_hi = _mm512_set_epi64(W2, W2, W2, W2, W0, W0, W0, W0);  // shift right 0 | 2
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const uint8_t* ql = w.q + n * (K / 2);
+    const uint8_t* qh = w.mn + n * (K / 4);
     const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc) + n * (K / 16);
     for (int64_t sb = 0; sb < K / 256; ++sb) {
       const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + sb * 16)));
       const __m512i s16 = _mm512_zextsi256_si512(sc16);
       __m512i L[T], H[T];  // even and odd registers' sums, added at the end
       for (int t = 0; t < T; ++t) L[t] = H[t] = _mm512_setzero_si512();
-      for (int c = 0; c < 4; c += 2) {
-        const __m512i u0 = load(q + sb * 256 + c * 64), u1 = load(q + sb * 256 + c * 64 + 64);
+      for (int c = 0; c < 4; c += 2) {  // half c / 2: registers c (its inputs 0-63) and c + 1 (64-127)
+        const __m512i raw = load(ql + sb * 128 + c * 32);
+        const __m512i h =
+            _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + sb * 64 + c * 16)));
+        const __m512i u0 =
+            _mm512_or_si512(_mm512_and_si512(raw, m4), _mm512_and_si512(_mm512_sllv_epi16(h, up_lo), m30));
+        const __m512i u1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
+                                           _mm512_and_si512(_mm512_srlv_epi16(h, down_hi), m30));
         const __m512i s0 = _mm512_permutexvar_epi16(s_of[c], s16), s1 = _mm512_permutexvar_epi16(s_of[c + 1], s16);
         for (int t = 0; t < T; ++t) {
           const int8_t* at = r.arow(m0 + t) + sb * 256 + c * 64;

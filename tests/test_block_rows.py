@@ -195,3 +195,37 @@ def test_auto_numerics_take_the_block_kernel_where_it_runs_and_fits(tiny_random,
     assert numerics == "w8a8" and "[48, 80]" in why
     monkeypatch.setattr(br, "kernel_unavailable", lambda: "no C++ compiler (g++) on PATH")
     assert auto_numerics(model) == ("w8a8", "the GGUF block kernel does not run here: no C++ compiler (g++) on PATH")
+
+
+def test_block_cache_is_written_once_read_back_equal_and_drops_older_layouts(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    from drafter_lib.decoding import gguf_weights
+
+    g = torch.Generator().manual_seed(3)
+    raws = {"blk.0.ffn_down.weight": ("Q6_K", 4, 512), "output.weight": ("Q4_K", 6, 256)}
+    path = tmp_path / "tiny.gguf"
+    writer = GGUFWriter(str(path), "qwen2")
+    writer.add_head_count(2)
+    for name, (fmt, n, k) in raws.items():
+        writer.add_tensor(name, _random_gguf_bytes(fmt, n, k, g), raw_dtype=GGMLQuantizationType[fmt])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cache = tmp_path / "cache"
+    st = path.stat()
+    older = cache / "gguf_blocks" / f"tiny-{st.st_size}-{st.st_mtime_ns}.safetensors"  # the first layout's name
+    older.parent.mkdir(parents=True)
+    older.write_bytes(b"stale")
+    first = gguf_weights.cached_linears(path, cache)
+    assert not older.exists()
+    assert [p.name for p in older.parent.iterdir()] == [f"tiny-{st.st_size}-{st.st_mtime_ns}-v{gguf_weights.LAYOUT}"
+                                                        ".safetensors"]
+    again = gguf_weights.cached_linears(path, cache)
+    assert first.keys() == again.keys() == {"model.layers.0.mlp.down_proj", "lm_head"}
+    for name, w in first.items():
+        assert w.format == again[name].format and all(map(torch.equal, w.tensors(), again[name].tensors()))
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(br.block_rows_mm(x, again["model.layers.0.mlp.down_proj"]).double(),
+                               _exact(x, first["model.layers.0.mlp.down_proj"]), rtol=1e-5, atol=1e-3)

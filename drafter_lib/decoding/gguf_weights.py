@@ -100,6 +100,9 @@ def cached_linears(path: str | os.PathLike, cache_dir: str | os.PathLike | None 
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
     save_file(tensors, str(tmp), metadata={"linears": json.dumps(meta)})
     os.replace(tmp, out)  # a reader never sees half a file
+    for stale in out.parent.glob(f"{path.stem}-{st.st_size}-{st.st_mtime_ns}*.safetensors"):
+        if stale != out:  # the same file's blocks in an older layout
+            stale.unlink(missing_ok=True)
     return linears
 
 

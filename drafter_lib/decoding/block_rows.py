@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -28,10 +28,12 @@ import torch
 import torch.nn as nn
 
 SOURCE = Path(__file__).parent / "csrc" / "block_rows.cpp"
-HEADERS = [SOURCE.with_name(n) for n in ("block_rows_simd.h", "block_rows_wide.h")]
+HEADERS = [SOURCE.with_name(n) for n in ("block_rows_simd.h", "block_tiles.h", "block_tiles_simd.h",
+                                         "block_tiles_wide.h")]
 FORMATS = {"Q8_0": 0, "Q4_1": 1, "Q4_K": 2, "Q6_K": 3}
 PATHS = {"portable": 1, "avx2": 2, "avx_vnni": 3, "avx512_vnni": 4}  # the kernel's instruction-set paths
 ACT_BLOCK = {"Q8_0": 32, "Q4_1": 32, "Q4_K": 256, "Q6_K": 256}  # inputs per activation scale, as llama.cpp
+TILED = ("Q4_K", "Q6_K")  # repacked into tiles of 16 outputs (csrc/block_tiles.h)
 
 
 @dataclass
@@ -47,6 +49,7 @@ class BlockWeight:
     d: torch.Tensor
     dm: torch.Tensor
     in_features: int
+    _tiles: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def out_features(self) -> int:
@@ -54,6 +57,12 @@ class BlockWeight:
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.q, self.sc, self.mn, self.d, self.dm
+
+    def tiles(self) -> torch.Tensor:
+        """Q4_K and Q6_K: the same bytes repacked into tiles of 16 outputs, as the kernel reads them (made once)."""
+        if self._tiles is None:
+            self._tiles = torch.ops.specdraft.block_tiles_pack(FORMATS[self.format], *self.tensors())
+        return self._tiles
 
     @classmethod
     def stack(cls, weights: list[BlockWeight]) -> BlockWeight:
@@ -165,8 +174,10 @@ def quantize_rows(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tens
 
 def block_rows_mm(x: torch.Tensor, w: BlockWeight, path: str = "auto") -> torch.Tensor:
     """x [M, K] fp32 -> [M, N] fp32: each row quantized per block, times the block weight (`path`: one of PATHS,
-    or "auto", the fastest this CPU runs)."""
+    or "auto", the fastest this CPU runs). Q4_K and Q6_K run in tiles of 16 outputs (`BlockWeight.tiles`)."""
     code = 0 if path == "auto" else PATHS[path]
+    if w.format in TILED:
+        return torch.ops.specdraft.block_tiles_mm(x, FORMATS[w.format], w.tiles(), w.out_features, code)
     return torch.ops.specdraft.block_rows_mm(x, FORMATS[w.format], *w.tensors(), code)
 
 
@@ -261,6 +272,9 @@ class BlockLinear(nn.Module):
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("stacked block weights must share their inputs")
         self.parts = parts
+        for p in parts:  # the K-quants' tiles made now, not in the first pass
+            if p.format in TILED:
+                p.tiles()
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = None if bias is None else bias.detach().float().clone()
@@ -327,9 +341,18 @@ _LIB.define("block_rows_mm(Tensor x, int format, Tensor q, Tensor sc, Tensor mn,
             "-> Tensor")
 
 
+_LIB.define("block_tiles_pack(int format, Tensor q, Tensor sc, Tensor mn, Tensor d, Tensor dm) -> Tensor")
+_LIB.define("block_tiles_mm(Tensor x, int format, Tensor packed, int n, int path) -> Tensor")
+
+
 @torch.library.register_fake("specdraft::block_rows_mm")
 def _(x, format, q, sc, mn, d, dm, path):
     return x.new_empty(x.shape[0], q.shape[0])
+
+
+@torch.library.register_fake("specdraft::block_tiles_mm")
+def _(x, format, packed, n, path):
+    return x.new_empty(x.shape[0], n)
 
 
 __all__ = ["BlockWeight", "BlockLinear", "use_block_linears", "FORMATS", "PATHS", "ACT_BLOCK", "from_gguf", "q6_values",

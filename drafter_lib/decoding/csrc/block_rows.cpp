@@ -10,17 +10,17 @@
 //   Q6_K: q uint8 [N, K/2] (low nibbles), mn uint8 [N, K/4] (top bit pairs), sc int8 [N, K/16], d [N, K/256]
 //         as the file packs them per 128 inputs: value 32i + j = nibble i / 2 of q[32 (i % 2) + j] | bit pair i of
 //         mn[j] << 4 (q6_value)                                                          w = d * sc * (value - 32)
+// Q8_0 and Q4_1 are multiplied here output by output (`block_rows_mm`); Q4_K and Q6_K are repacked once into tiles
+// of 16 outputs and multiplied by `block_tiles_mm` (block_tiles.h).
 //
 // Exact by construction, and the same bits on every path. Integer products are summed in int32 lanes: lane l of a
-// 32-input chunk holds the sum of inputs 4l..4l+3 (what vpdpbusd, and vpmaddubsw + vpmaddwd, give), times the
-// chunk's integer sub-scale; integer sums are exact in any order. The floats then follow one fixed recipe per
-// (row, output): per block, acc[l] += (d_w * d_a) * float(lane l), in eight lanes, block after block (Q4_K then
-// acc[l] -= (dmin_w * d_a) * float(minima lane l), its minima's integer term in lanes too: lane l < 4 holds groups
-// 2l and 2l + 1, what one vpmaddwd gives; Q4_1 adds a scalar term per block); at the end a fixed sum of the eight
-// lanes. Q6_K's -32 is an integer term of its own lanes (lane l: groups 2l and 2l + 1). Every path (portable C++, AVX2,
-// AVX-VNNI, AVX-512 VNNI) runs that recipe with the same operations (no FMA: built with -ffp-contract=off), and a
-// row's arithmetic never depends on the other rows, the tile, or the thread: a row's output is bit-identical alone
-// or inside a pass of any number of rows.
+// 32-input block holds the sum of inputs 4l..4l+3 (what vpdpbusd, and vpmaddubsw + vpmaddwd, give); integer sums
+// are exact in any order. The floats then follow one fixed recipe per (row, output): per block, acc[l] +=
+// (d_w * d_a) * float(lane l), in eight lanes, block after block (Q4_1 adds a scalar term per block for its
+// minima); at the end a fixed sum of the eight lanes. Every path (portable C++, AVX2, AVX-VNNI, AVX-512 VNNI) runs
+// that recipe with the same operations (no FMA: built with -ffp-contract=off), and a row's arithmetic never depends
+// on the other rows, the tile, or the thread: a row's output is bit-identical alone or inside a pass of any number
+// of rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -46,22 +46,12 @@ struct Rows {
   std::vector<int8_t> a;
   std::vector<float> d, sa;
   std::vector<int16_t> s16, s32;
-  std::vector<int8_t> a128;  // a per 128 inputs in the order 0-31, 64-95, 32-63, 96-127 (AVX-512 Q4_K tiles only)
   const int8_t* arow(int64_t m) const { return a.data() + m * K; }
   const float* drow(int64_t m) const { return d.data() + m * (K / B); }
   const float* sarow(int64_t m) const { return sa.data() + m * (K / 32); }
   const int16_t* s16row(int64_t m) const { return s16.data() + m * (K / 16); }
   const int16_t* s32row(int64_t m) const { return s32.data() + m * (K / 32); }
-  const int8_t* a128row(int64_t m) const { return a128.data() + m * K; }
 };
-
-// Rows::a128: the inputs in the order in which one 64-byte load of a Q4_K row's nibbles lays them out (two chunks'
-// low nibbles, then their high nibbles). Blocks of 32 move whole, so an input keeps its lane (i mod 32) / 4.
-void order_by_128(Rows& r) {
-  r.a128.resize(r.a.size());
-  for (int64_t j = 0; j < r.M * r.K; j += 128)
-    for (int h = 0; h < 4; ++h) std::memcpy(&r.a128[j + 32 * h], &r.a[j + 32 * ((h & 1) * 2 + (h >> 1))], 32);
-}
 
 Rows quantize_rows(const float* x, int64_t M, int64_t K, int64_t B) {
   Rows r{M, K, B, std::vector<int8_t>(M * K), std::vector<float>(M * (K / B)), std::vector<float>(M * (K / 32)),
@@ -123,11 +113,11 @@ inline uint8_t q6_value(const uint8_t* ql, const uint8_t* qh, int i, int j) {
 // ------------------------------------------------------------------------------------------- the portable path
 namespace portable {
 
-inline void lanes(const uint8_t* u, const int8_t* a, int32_t* out, int32_t scale_lo, int32_t scale_hi) {
+inline void lanes(const uint8_t* u, const int8_t* a, int32_t* out) {
   for (int l = 0; l < 8; ++l) {
     int32_t s = 0;
     for (int i = 0; i < 4; ++i) s += static_cast<int32_t>(u[4 * l + i]) * a[4 * l + i];
-    out[l] += s * (l < 4 ? scale_lo : scale_hi);
+    out[l] += s;
   }
 }
 
@@ -147,7 +137,7 @@ void row_dot(const Weight& w, int64_t n, const Rows& r, int64_t m, float* y) {
         s[i] = static_cast<int8_t>(wi < 0 ? -ai : (wi == 0 ? 0 : ai));
       }
       int32_t L[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      lanes(u, s, L, 1, 1);
+      lanes(u, s, L);
       const float D = w.d[n * (K / 32) + b] * r.drow(m)[b];
       for (int l = 0; l < 8; ++l) acc[l] = acc[l] + D * static_cast<float>(L[l]);
     }
@@ -160,50 +150,10 @@ void row_dot(const Weight& w, int64_t n, const Rows& r, int64_t m, float* y) {
         u[16 + i] = q[b * 16 + i] >> 4;
       }
       int32_t L[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      lanes(u, a + b * 32, L, 1, 1);
+      lanes(u, a + b * 32, L);
       const float D = w.d[n * (K / 32) + b] * r.drow(m)[b];
       for (int l = 0; l < 8; ++l) acc[l] = acc[l] + D * static_cast<float>(L[l]);
       scalar = scalar + w.dm[n * (K / 32) + b] * r.sarow(m)[b];
-    }
-  } else if (w.format == Q4_K) {
-    const uint8_t* q = w.q + n * (K / 2);
-    const uint8_t* sc = w.sc + n * (K / 32);
-    const uint8_t* mn = w.mn + n * (K / 32);
-    for (int64_t sb = 0; sb < K / 256; ++sb) {
-      int32_t L[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int c = 0; c < 4; ++c) {
-        uint8_t lo[32], hi[32];
-        for (int i = 0; i < 32; ++i) {
-          lo[i] = q[sb * 128 + c * 32 + i] & 0x0F;
-          hi[i] = q[sb * 128 + c * 32 + i] >> 4;
-        }
-        const int g = static_cast<int>(sb * 8 + 2 * c);
-        lanes(lo, a + sb * 256 + c * 64, L, sc[g], sc[g]);
-        lanes(hi, a + sb * 256 + c * 64 + 32, L, sc[g + 1], sc[g + 1]);
-      }
-      int32_t mins[8] = {0, 0, 0, 0, 0, 0, 0, 0};  // lane l < 4: groups 2l and 2l + 1
-      for (int g = 0; g < 8; ++g) mins[g / 2] += static_cast<int32_t>(mn[sb * 8 + g]) * r.s32row(m)[sb * 8 + g];
-      const float da = r.drow(m)[sb];
-      const float D = w.d[n * (K / 256) + sb] * da, Dmin = w.dm[n * (K / 256) + sb] * da;
-      for (int l = 0; l < 8; ++l) acc[l] = acc[l] + D * static_cast<float>(L[l]);
-      for (int l = 0; l < 8; ++l) acc[l] = acc[l] - Dmin * static_cast<float>(mins[l]);
-    }
-  } else {  // Q6_K
-    const uint8_t* ql = w.q + n * (K / 2);
-    const uint8_t* qh = w.mn + n * (K / 4);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(w.sc) + n * (K / 16);
-    for (int64_t sb = 0; sb < K / 256; ++sb) {
-      int32_t L[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int c = 0; c < 8; ++c) {
-        uint8_t u[32];
-        for (int j = 0; j < 32; ++j)
-          u[j] = q6_value(ql + sb * 128 + (c / 4) * 64, qh + sb * 64 + (c / 4) * 32, c % 4, j);
-        lanes(u, a + sb * 256 + c * 32, L, sc[sb * 16 + 2 * c], sc[sb * 16 + 2 * c + 1]);
-      }
-      // the -32 of every value, through the activations' sums per 16: lane l takes groups 2l and 2l + 1
-      for (int g = 0; g < 16; ++g) L[g / 2] -= 32 * (static_cast<int32_t>(sc[sb * 16 + g]) * r.s16row(m)[sb * 16 + g]);
-      const float D = w.d[n * (K / 256) + sb] * r.drow(m)[sb];
-      for (int l = 0; l < 8; ++l) acc[l] = acc[l] + D * static_cast<float>(L[l]);
     }
   }
   *y = finish(acc, scalar);
@@ -216,55 +166,42 @@ void run(const Weight& w, const Rows& r, int64_t n0, int64_t n1, float* y) {
 
 }  // namespace portable
 
+#include "block_tiles.h"
+
 // ------------------------------------------------------------------------------------------- the vector paths
-// One body (block_rows_simd.h), compiled once per instruction set; DOT(u, a) gives the eight int32 lanes of
-// unsigned u times signed a, SCALED_ADD(acc, u, a, s) adds to acc the same lanes times the lanes' int16 scales s
-// (scale_lanes: one for lanes 0-3, one for 4-7). vpmaddubsw's int16 pairs never saturate here (|u a + u a| <=
-// 2 * 128 * 127 < 2^15: |q| <= 128 for Q8_0, q <= 63 otherwise, |a| <= 127), and the scaled sums are exact int32.
+// The rows' body (block_rows_simd.h) and the tiles' (block_tiles_simd.h, block_tiles_wide.h for AVX-512), compiled
+// once per instruction set; DOT(u, a) gives the eight int32 lanes of unsigned u times signed a, DPBUSD adds them to
+// an accumulator, DPWSSD adds int16 pairs' products. vpmaddubsw's int16 pairs never saturate here (|u a + u a| <=
+// 2 * 128 * 127 < 2^15: |q| <= 128 for Q8_0, q <= 63 otherwise, |a| <= 127), and every sum is exact int32.
 #pragma GCC push_options
-#pragma GCC target("avx2")
+#pragma GCC target("avx2,f16c")
 namespace avx2 {
-inline __m256i scale_lanes(int32_t lo, int32_t hi) {
-  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
-}
 inline __m256i DOT(__m256i u, __m256i a) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)); }
-inline __m256i SCALED_ADD(__m256i acc, __m256i u, __m256i a, __m256i s) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), s));
-}
+inline __m256i DPBUSD(__m256i acc, __m256i u, __m256i a) { return _mm256_add_epi32(acc, DOT(u, a)); }
+inline __m256i DPWSSD(__m256i acc, __m256i x, __m256i y) { return _mm256_add_epi32(acc, _mm256_madd_epi16(x, y)); }
 #include "block_rows_simd.h"
+#include "block_tiles_simd.h"
 }  // namespace avx2
 #pragma GCC pop_options
 
 // With VNNI, vpdpbusd sums u x a into the lanes in one step, and vpdpwssd scales the int16 pairs and adds them.
 #pragma GCC push_options
-#pragma GCC target("avx2,avxvnni")
+#pragma GCC target("avx2,f16c,avxvnni")
 namespace avx_vnni {
-inline __m256i scale_lanes(int32_t lo, int32_t hi) {
-  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
-}
 inline __m256i DOT(__m256i u, __m256i a) { return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, a); }
-inline __m256i SCALED_ADD(__m256i acc, __m256i u, __m256i a, __m256i s) {
-  return _mm256_dpwssd_avx_epi32(acc, _mm256_maddubs_epi16(u, a), s);
-}
+inline __m256i DPBUSD(__m256i acc, __m256i u, __m256i a) { return _mm256_dpbusd_avx_epi32(acc, u, a); }
+inline __m256i DPWSSD(__m256i acc, __m256i x, __m256i y) { return _mm256_dpwssd_avx_epi32(acc, x, y); }
 #include "block_rows_simd.h"
+#include "block_tiles_simd.h"
 }  // namespace avx_vnni
 #pragma GCC pop_options
 
-// AVX-512 also multiplies the K formats 64 inputs at a time (block_rows_wide.h): half the instructions a weight.
 #pragma GCC push_options
 #pragma GCC target("avx2,avx512f,avx512bw,avx512vl,avx512vnni")
 namespace avx512_vnni {
-inline __m256i scale_lanes(int32_t lo, int32_t hi) {
-  return _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(hi)), _mm_set1_epi16(static_cast<int16_t>(lo)));
-}
 inline __m256i DOT(__m256i u, __m256i a) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a); }
-inline __m256i SCALED_ADD(__m256i acc, __m256i u, __m256i a, __m256i s) {
-  return _mm256_dpwssd_epi32(acc, _mm256_maddubs_epi16(u, a), s);
-}
-#define WIDE_TILES
 #include "block_rows_simd.h"
-#include "block_rows_wide.h"
-#undef WIDE_TILES
+#include "block_tiles_wide.h"
 }  // namespace avx512_vnni
 #pragma GCC pop_options
 
@@ -272,10 +209,10 @@ bool cpu_has(int64_t path) {
   __builtin_cpu_init();
   switch (path) {
     case PORTABLE: return true;
-    case AVX2: return __builtin_cpu_supports("avx2");
-    case AVX_VNNI: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avxvnni");
+    case AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case AVX_VNNI: return cpu_has(AVX2) && __builtin_cpu_supports("avxvnni");
     case AVX512_VNNI:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("avx512f") &&
+      return cpu_has(AVX2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512vnni");
     default: return false;
@@ -290,31 +227,23 @@ int64_t best_path() {
 
 at::Tensor block_rows_mm(const at::Tensor& x, int64_t format, const at::Tensor& q, const at::Tensor& sc,
                          const at::Tensor& mn, const at::Tensor& d, const at::Tensor& dm, int64_t path) {
-  TORCH_CHECK(format >= Q8_0 && format <= Q6_K, "block_rows_mm: unknown format ", format);
+  TORCH_CHECK(format == Q8_0 || format == Q4_1, "block_rows_mm: takes Q8_0 and Q4_1 (Q4_K and Q6_K: block_tiles_mm), "
+              "got format ", format);
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "block_rows_mm: x must be fp32 [M, K]");
   TORCH_CHECK(q.scalar_type() == (format == Q8_0 ? at::kChar : at::kByte) && q.dim() == 2 && q.is_contiguous(),
               "block_rows_mm: q has the wrong dtype or layout");
   const int64_t M = x.size(0), K = x.size(1), N = q.size(0), B = act_block(format);
-  const int64_t qcols = format == Q8_0 ? K : K / 2;
-  TORCH_CHECK(K % B == 0 && q.size(1) == qcols, "block_rows_mm: K = ", K, " does not fit the weight ", q.sizes());
-  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == N * (K / (format >= Q4_K ? 256 : 32)),
+  TORCH_CHECK(K % B == 0 && q.size(1) == (format == Q8_0 ? K : K / 2), "block_rows_mm: K = ", K,
+              " does not fit the weight ", q.sizes());
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == N * (K / 32),
               "block_rows_mm: d has the wrong dtype or size");
-  if (format == Q4_1 || format == Q4_K)
+  if (format == Q4_1)
     TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.is_contiguous() && dm.numel() == d.numel(),
                 "block_rows_mm: dm must be fp32 like d");
-  if (format == Q4_K)
-    TORCH_CHECK(sc.scalar_type() == at::kByte && mn.scalar_type() == at::kByte && sc.is_contiguous() &&
-                    mn.is_contiguous() && sc.numel() == N * (K / 32) && mn.numel() == N * (K / 32),
-                "block_rows_mm: Q4_K's sc and mn must be uint8 [N, K / 32]");
-  if (format == Q6_K)
-    TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.numel() == N * (K / 16) &&
-                    mn.scalar_type() == at::kByte && mn.is_contiguous() && mn.numel() == N * (K / 4),
-                "block_rows_mm: Q6_K's sc must be int8 [N, K / 16] and its top bits mn uint8 [N, K / 4]");
   if (path == AUTO) path = best_path();
   TORCH_CHECK(cpu_has(path), "block_rows_mm: this CPU cannot run path ", path);
   const auto xc = x.contiguous();
-  Rows r = quantize_rows(xc.data_ptr<float>(), M, K, B);
-  if (path == AVX512_VNNI && format == Q4_K) order_by_128(r);
+  const Rows r = quantize_rows(xc.data_ptr<float>(), M, K, B);
   Weight w{format, N, K, static_cast<const uint8_t*>(q.data_ptr()),  // Q8_0's int8 values are read as int8
            sc.numel() ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr,
            mn.numel() ? mn.data_ptr<uint8_t>() : nullptr, d.data_ptr<float>(),
@@ -333,7 +262,66 @@ at::Tensor block_rows_mm(const at::Tensor& x, int64_t format, const at::Tensor& 
   return y;
 }
 
+Weight k_quant_weight(int64_t format, const at::Tensor& q, const at::Tensor& sc, const at::Tensor& mn,
+                      const at::Tensor& d, const at::Tensor& dm) {
+  TORCH_CHECK(format == Q4_K || format == Q6_K, "block_tiles: only Q4_K and Q6_K are tiled, got format ", format);
+  const int64_t N = q.size(0), K = q.size(1) * 2;
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && K % 256 == 0,
+              "block_tiles: q must be uint8 [N, K/2], K a multiple of 256");
+  TORCH_CHECK(d.scalar_type() == at::kFloat && d.is_contiguous() && d.numel() == N * (K / 256),
+              "block_tiles: d must be fp32 [N, K/256]");
+  if (format == Q4_K) {
+    TORCH_CHECK(sc.scalar_type() == at::kByte && mn.scalar_type() == at::kByte && sc.numel() == N * (K / 32) &&
+                    mn.numel() == N * (K / 32) && sc.is_contiguous() && mn.is_contiguous() &&
+                    dm.scalar_type() == at::kFloat && dm.is_contiguous() && dm.numel() == d.numel(),
+                "block_tiles: Q4_K's sc, mn must be uint8 [N, K/32] and dm fp32 like d");
+  } else {
+    TORCH_CHECK(sc.scalar_type() == at::kChar && sc.is_contiguous() && sc.numel() == N * (K / 16) &&
+                    mn.scalar_type() == at::kByte && mn.is_contiguous() && mn.numel() == N * (K / 4),
+                "block_tiles: Q6_K's sc must be int8 [N, K/16] and its top bits mn uint8 [N, K/4]");
+  }
+  return Weight{format, N, K, q.data_ptr<uint8_t>(), static_cast<const uint8_t*>(sc.data_ptr()),
+                mn.data_ptr<uint8_t>(), d.data_ptr<float>(), format == Q4_K ? dm.data_ptr<float>() : nullptr};
+}
+
+at::Tensor block_tiles_pack(int64_t format, const at::Tensor& q, const at::Tensor& sc, const at::Tensor& mn,
+                            const at::Tensor& d, const at::Tensor& dm) {
+  const Weight w = k_quant_weight(format, q, sc, mn, d, dm);
+  auto out = at::empty({(w.N + NT - 1) / NT, w.K / 256, tile_bytes(format)}, q.options());
+  pack_tiles(w, out.data_ptr<uint8_t>());
+  return out;
+}
+
+at::Tensor block_tiles_mm(const at::Tensor& x, int64_t format, const at::Tensor& packed, int64_t N, int64_t path) {
+  TORCH_CHECK(format == Q4_K || format == Q6_K, "block_tiles_mm: only Q4_K and Q6_K are tiled, got format ", format);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "block_tiles_mm: x must be fp32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), tiles = (N + NT - 1) / NT;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(0) == tiles && packed.size(1) * 256 == K && packed.size(2) == tile_bytes(format),
+              "block_tiles_mm: the packed weight ", packed.sizes(), " does not fit N = ", N, ", K = ", K);
+  if (path == AUTO) path = best_path();
+  TORCH_CHECK(cpu_has(path), "block_tiles_mm: this CPU cannot run path ", path);
+  const auto xc = x.contiguous();
+  const Rows r = quantize_rows(xc.data_ptr<float>(), M, K, 256);
+  auto y = at::empty({M, N}, xc.options());
+  float* yp = y.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    switch (path) {
+      case AVX2: return avx2::run_tiles(format, pp, N, K, r, t0, t1, yp);
+      case AVX_VNNI: return avx_vnni::run_tiles(format, pp, N, K, r, t0, t1, yp);
+      case AVX512_VNNI: return avx512_vnni::run_tiles(format, pp, N, K, r, t0, t1, yp);
+      default: return portable::run_tiles(format, pp, N, K, r, t0, t1, yp);
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
-// the schema is defined in block_rows.py; this is its CPU kernel
-TORCH_LIBRARY_IMPL(specdraft, CPU, m) { m.impl("block_rows_mm", block_rows_mm); }
+// the schemas are defined in block_rows.py; these are their CPU kernels
+TORCH_LIBRARY_IMPL(specdraft, CPU, m) {
+  m.impl("block_rows_mm", block_rows_mm);
+  m.impl("block_tiles_mm", block_tiles_mm);
+  m.impl("block_tiles_pack", block_tiles_pack);
+}

@@ -130,9 +130,19 @@ def test_stacked_block_weights_give_each_parts_outputs():
 
 
 def test_bad_inputs_are_refused_naming_the_problem():
-    w = br.random_weight("Q4_K", 4, 256, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    w = br.random_weight("Q4_K", 4, 256, g)
     with pytest.raises(RuntimeError, match="does not fit"):
         br.block_rows_mm(torch.zeros(2, 512), w)
+    with pytest.raises(RuntimeError, match="Q4_K and Q6_K: block_tiles_mm"):  # the rows kernel takes no K-quant
+        torch.ops.specdraft.block_rows_mm(torch.zeros(2, 256), br.FORMATS["Q4_K"], *w.tensors(), 0)
+    with pytest.raises(RuntimeError, match="only Q4_K and Q6_K are tiled"):
+        torch.ops.specdraft.block_tiles_pack(br.FORMATS["Q8_0"], *br.random_weight("Q8_0", 4, 256, g).tensors())
+    with pytest.raises(RuntimeError, match="does not fit N = 40"):  # tiles of another weight's shape
+        torch.ops.specdraft.block_tiles_mm(torch.zeros(2, 256), br.FORMATS["Q4_K"], w.tiles(), 40, 0)
+    q6 = br.random_weight("Q6_K", 4, 256, g)
+    with pytest.raises(RuntimeError, match="top bits mn uint8"):
+        torch.ops.specdraft.block_tiles_pack(br.FORMATS["Q6_K"], q6.q, q6.sc, q6.mn[:, :10].contiguous(), q6.d, q6.dm)
     with pytest.raises(ValueError, match="no kernel for GGUF type"):
         br.from_gguf(np.zeros((1, 18), np.uint8), "Q4_0", 32)
 

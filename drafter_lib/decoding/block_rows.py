@@ -9,8 +9,11 @@ the W8A8 numerics, followed the fp32 model less closely than llama.cpp's files: 
 
 `csrc/block_rows.cpp` multiplies them: integer sums in int32 lanes, then one fixed float recipe per (row, output),
 the same on every path (portable C++, AVX2, AVX-VNNI, AVX-512 VNNI, chosen from what the CPU reports at run time):
-a row's output is bit-identical alone or inside a pass of any number of rows, on every path (tested). Built once
-per machine with torch's C++ extension builder (~1 minute, cached); its schema is `specdraft::block_rows_mm`.
+a row's output is bit-identical alone or inside a pass of any number of rows, on every path (tested). Q8_0 and Q4_1
+run output by output (`specdraft::block_rows_mm`); Q4_K and Q6_K, the bulk of a Q4_K_M file, are repacked once into
+tiles of 16 outputs (`BlockWeight.tiles`, the same bytes moved) that a register multiplies together, so the float
+work is done for 16 outputs an instruction (`specdraft::block_tiles_mm`, csrc/block_tiles.h). Built once per
+machine with torch's C++ extension builder (~1 minute, cached).
 
 Why a kernel of our own: no well-kept CPU library multiplies these blocks with row-exact sums. llama.cpp's own
 (ggml) reads them, but its products for several rows take other code paths than for one (tiled GEMM, repacked

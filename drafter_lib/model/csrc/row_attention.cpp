@@ -8,6 +8,7 @@
 // with -ffp-contract=off: no fused multiply-adds the compiler might choose differently per loop).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -47,7 +48,11 @@ namespace {
       std::memcpy(&scale, &bits, 4);                                                                              \
       x[j] = x[j] < -87.f ? 0.f : p * scale;                                                                      \
     }                                                                                                             \
-  }                                                                                                               \
+  }
+
+// The queries' loop; each namespace has dots4(q, k, stride, D, scale, out), four keys' dot() * scale at once, and
+// weighted_sum(w, v, stride, n, D, acc), acc[d] = the n values' dimension d weighted and added in slot order.
+#define ROW_ATTENTION_QUERIES                                                                                     \
   /* ks_, vs_: the key and value strides {sequence, slot} (a slot's D floats are adjacent) */                   \
   void queries(const float* qp, const float* kp, const float* vp, const int64_t* ks_, const int64_t* vs_,         \
                const int64_t* len, int64_t i0, int64_t i1, int64_t N, int64_t D, int64_t group, float sc,         \
@@ -59,31 +64,73 @@ namespace {
       const float* vs = vp + (i / group) * vs_[0];                                                                \
       const int64_t n = len[i];                                                                                   \
       float top = -INFINITY;                                                                                      \
-      for (int64_t j = 0; j < n; ++j) {                                                                           \
-        w[j] = dot(qi, ks + j * ks_[1], D) * sc;                                                                  \
-        top = std::max(top, w[j]);                                                                                \
-      }                                                                                                           \
+      int64_t j = 0;                                                                                              \
+      for (; j + 4 <= n; j += 4) dots4(qi, ks + j * ks_[1], ks_[1], D, sc, &w[j]);                         \
+      for (; j < n; ++j) w[j] = dot(qi, ks + j * ks_[1], D) * sc;                                                 \
+      for (j = 0; j < n; ++j) top = std::max(top, w[j]);                                                          \
       for (int64_t j = 0; j < n; ++j) w[j] = w[j] - top;                                                          \
       exps(w.data(), n);                                                                                          \
       float total = 0.f;                                                                                          \
       for (int64_t j = 0; j < n; ++j) total = total + w[j];                                                       \
-      std::fill(acc.begin(), acc.end(), 0.f);                                                                     \
-      for (int64_t j = 0; j < n; ++j) {                                                                           \
-        const float* vj = vs + j * vs_[1];                                                                        \
-        for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + w[j] * vj[d];                                           \
-      }                                                                                                           \
+      weighted_sum(w.data(), vs, vs_[1], n, D, acc.data());                                                      \
       for (int64_t d = 0; d < D; ++d) op[i * D + d] = acc[d] / total;                                             \
     }                                                                                                             \
   }
 
 namespace portable {
 ROW_ATTENTION_BODY
+inline void dots4(const float* a, const float* k, int64_t stride, int64_t D, float sc, float* out) {
+  for (int s = 0; s < 4; ++s) out[s] = dot(a, k + s * stride, D) * sc;
+}
+inline void weighted_sum(const float* w, const float* v, int64_t stride, int64_t n, int64_t D, float* acc) {
+  std::fill(acc, acc + D, 0.f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] + w[j] * v[j * stride + d];
+}
+ROW_ATTENTION_QUERIES
 }  // namespace portable
 
 #pragma GCC push_options
 #pragma GCC target("avx2")
 namespace avx2 {
 ROW_ATTENTION_BODY
+// dot()'s eight lanes as one register, for four keys at once: four independent chains of adds (mul, then add: no
+// fused multiply-add, as dot())
+inline void dots4(const float* a, const float* k, int64_t stride, int64_t D, float sc, float* out) {
+  if (D % 8) {
+    for (int s = 0; s < 4; ++s) out[s] = dot(a, k + s * stride, D) * sc;
+    return;
+  }
+  __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 x = _mm256_loadu_ps(a + d);
+    l0 = _mm256_add_ps(l0, _mm256_mul_ps(x, _mm256_loadu_ps(k + d)));
+    l1 = _mm256_add_ps(l1, _mm256_mul_ps(x, _mm256_loadu_ps(k + stride + d)));
+    l2 = _mm256_add_ps(l2, _mm256_mul_ps(x, _mm256_loadu_ps(k + 2 * stride + d)));
+    l3 = _mm256_add_ps(l3, _mm256_mul_ps(x, _mm256_loadu_ps(k + 3 * stride + d)));
+  }
+  const __m256 sums[4] = {l0, l1, l2, l3};
+  for (int s = 0; s < 4; ++s) {
+    float x[8];
+    _mm256_storeu_ps(x, sums[s]);
+    out[s] = (((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]))) * sc;
+  }
+}
+// the same sums with 64 dimensions' accumulators in registers (a pass over the slots per 64 dimensions)
+inline void weighted_sum(const float* w, const float* v, int64_t stride, int64_t n, int64_t D, float* acc) {
+  if (D % 64) return portable::weighted_sum(w, v, stride, n, D, acc);
+  for (int64_t c = 0; c < D; c += 64) {
+    __m256 s[8];
+    for (int r = 0; r < 8; ++r) s[r] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 wj = _mm256_set1_ps(w[j]);
+      const float* vj = v + j * stride + c;
+      for (int r = 0; r < 8; ++r) s[r] = _mm256_add_ps(s[r], _mm256_mul_ps(wj, _mm256_loadu_ps(vj + 8 * r)));
+    }
+    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(acc + c + 8 * r, s[r]);
+  }
+}
+ROW_ATTENTION_QUERIES
 }  // namespace avx2
 #pragma GCC pop_options
 

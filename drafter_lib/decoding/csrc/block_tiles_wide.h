@@ -12,6 +12,8 @@ inline __m512i bcast_pair(const int16_t* s) {  // two int16 sums in every 32-bit
   return _mm512_set1_epi32(v);
 }
 
+constexpr int64_t TILE_ROWS = 6;  // rows a tile's weights are decoded for at once (registers: ~5 a row)
+
 template <int T>
 void tile_rows(int64_t format, const uint8_t* P, int64_t nsb, const Rows& r, int64_t m0, int64_t N, int64_t n0,
                float* y) {
@@ -112,20 +114,16 @@ void run_tiles(int64_t format, const uint8_t* packed, int64_t N, int64_t K, cons
   const int64_t nsb = K / 256;
   for (int64_t tile = t0; tile < t1; ++tile) {
     const uint8_t* P = packed + tile * nsb * tile_bytes(format);
-    for (int64_t m0 = 0; m0 < r.M; m0 += MB) {
-      switch (std::min<int64_t>(MB, r.M - m0)) {
-        case 1:
-          tile_rows<1>(format, P, nsb, r, m0, N, tile * NT, y);
-          break;
-        case 2:
-          tile_rows<2>(format, P, nsb, r, m0, N, tile * NT, y);
-          break;
-        case 3:
-          tile_rows<3>(format, P, nsb, r, m0, N, tile * NT, y);
-          break;
-        default:
-          tile_rows<4>(format, P, nsb, r, m0, N, tile * NT, y);
-          break;
+    // the rows in near-equal groups of at most TILE_ROWS (9 rows: 5 + 4, not 6 + 3)
+    const int64_t groups = (r.M + TILE_ROWS - 1) / TILE_ROWS, size = (r.M + groups - 1) / groups;
+    for (int64_t m0 = 0; m0 < r.M; m0 += size) {
+      switch (std::min<int64_t>(size, r.M - m0)) {
+        case 1: tile_rows<1>(format, P, nsb, r, m0, N, tile * NT, y); break;
+        case 2: tile_rows<2>(format, P, nsb, r, m0, N, tile * NT, y); break;
+        case 3: tile_rows<3>(format, P, nsb, r, m0, N, tile * NT, y); break;
+        case 4: tile_rows<4>(format, P, nsb, r, m0, N, tile * NT, y); break;
+        case 5: tile_rows<5>(format, P, nsb, r, m0, N, tile * NT, y); break;
+        default: tile_rows<6>(format, P, nsb, r, m0, N, tile * NT, y); break;
       }
     }
   }

@@ -34,6 +34,39 @@ def products(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, (block_rows.BlockLinear, W8A8Linear, W4A8Linear))]
 
 
+def split(model, mods: list, ids: torch.Tensor, pos: torch.Tensor, cache, rows: list, repeats: int) -> dict:
+    """Median ms of the pass, the pass with its products answered by zeros, and the products alone."""
+    kinds = {type(m) for m in mods}
+    real = {k: k.forward for k in kinds}
+
+    def zeros(self, x):
+        return x.new_zeros(*x.shape[:-1], self.out_features)
+
+    def whole():
+        model(ids, pos, cache)
+
+    def without():
+        for k in kinds:
+            k.forward = zeros
+        try:
+            model(ids, pos, cache)
+        finally:
+            for k, f in real.items():
+                k.forward = f
+
+    def alone():
+        for m, x in zip(mods, rows):
+            m(x)
+
+    times = {"pass": [], "without products": [], "products alone": []}
+    for _ in range(repeats):
+        for name, fn in zip(times, (whole, without, alone)):
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="qwen2.5-coder-1.5b-instruct")
@@ -41,11 +74,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 5, 9])
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args(argv)
-    print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  block kernel paths: "
-          f"{', '.join(block_rows.paths_here()) or 'none'}  torch {torch.__version__}  threads {torch.get_num_threads()}")
+    paths = ", ".join(block_rows.paths_here()) or "none"
+    print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  block kernel paths: {paths}  "
+          f"torch {torch.__version__}  threads {torch.get_num_threads()}")
     rt = load_target_runtime(args.target, numerics=args.numerics)
     model, mods = rt.model, products(rt.model)
-    kinds = {type(m) for m in mods}
     print(f"target: {args.target} ({rt.numerics}), {len(mods)} products a pass")
     gen = torch.Generator().manual_seed(0)
     cache = model.new_cache(1, CONTEXT + max(args.tokens) + 64)
@@ -57,34 +90,7 @@ def main(argv=None) -> dict:
             ids = torch.randint(0, vocab, (1, t), generator=gen)
             pos = torch.arange(CONTEXT, CONTEXT + t)[None]
             rows = [torch.randn(t, m.in_features, generator=gen) for m in mods]
-            real = {k: k.forward for k in kinds}
-
-            def zeros(self, x):
-                return x.new_zeros(*x.shape[:-1], self.out_features)
-
-            def pass_():
-                model(ids, pos, cache)
-
-            def without():
-                for k in kinds:
-                    k.forward = zeros
-                try:
-                    model(ids, pos, cache)
-                finally:
-                    for k, f in real.items():
-                        k.forward = f
-
-            def alone():
-                for m, x in zip(mods, rows):
-                    m(x)
-
-            times = {"pass": [], "without products": [], "products alone": []}
-            for _ in range(args.repeats):
-                for name, fn in zip(times, (pass_, without, alone)):
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
-            ms = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in times.items()}
+            ms = split(model, mods, ids, pos, cache, rows, args.repeats)
             ms["pass / products"] = ms["pass"] / ms["products alone"]
             out[t] = ms | {"products": len(mods)}
             print(f"{t:2d} tokens: pass {ms['pass']:.1f} ms = products {ms['products alone']:.1f} + the rest "

@@ -275,13 +275,13 @@ class BlockLinear(nn.Module):
         if len({p.in_features for p in parts}) != 1:
             raise ValueError("stacked block weights must share their inputs")
         self.parts = parts
-        for p in parts:  # the K-quants' tiles made now, not in the first pass
-            if p.format in TILED:
-                p.tiles()
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
         self.bias = None if bias is None else bias.detach().float().clone()
         self.path = "auto"
+        for p in parts:  # the K-quants' tiles made now, not in the first pass
+            if p.format in TILED:
+                p.tiles()
 
     @property
     def weight(self) -> torch.Tensor:  # what code asking a linear's dtype or device reads
@@ -358,6 +358,6 @@ def _(x, format, packed, n, path):
     return x.new_empty(x.shape[0], n)
 
 
-__all__ = ["BlockWeight", "BlockLinear", "use_block_linears", "FORMATS", "PATHS", "ACT_BLOCK", "from_gguf", "q6_values",
-           "from_float",
-           "quantize_rows", "block_rows_mm", "kernel_unavailable", "paths_here", "random_weight"]
+__all__ = ["BlockWeight", "BlockLinear", "use_block_linears", "FORMATS", "PATHS", "ACT_BLOCK", "TILED", "from_gguf",
+           "q6_values", "from_float", "quantize_rows", "block_rows_mm", "kernel_unavailable", "paths_here",
+           "random_weight"]

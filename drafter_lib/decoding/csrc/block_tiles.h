@@ -1,5 +1,6 @@
-// The K-quants (Q4_K, Q6_K) multiplied 16 outputs at a time (block_rows.cpp includes this once outside the
-// instruction-set namespaces, and block_tiles_simd.h once per vector path).
+// The K-quants (Q4_K, Q6_K) multiplied 16 outputs at a time: the layout, the packing and the portable path
+// (block_rows.cpp includes this once, outside the instruction-set namespaces; the vector paths are
+// block_tiles_simd.h for AVX2 and AVX-VNNI, block_tiles_wide.h for AVX-512 VNNI).
 //
 // The weights are repacked once (`pack_tiles`) so that a register holds 16 outputs' weights for 4 consecutive
 // inputs: one vpdpbusd (or vpmaddubsw + vpmaddwd) times 4 broadcast activation bytes gives each output's int32 sum of

@@ -98,12 +98,6 @@ struct Weight {
   const float* dm;
 };
 
-// The four int32 lanes' sum (integers: any order gives the same value).
-inline int32_t hsum4(__m128i v) {
-  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
-  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
-}
-
 // Q6_K's value 32i + j of a half super-block (ql: its 64 bytes of low nibbles, qh: its 32 bytes of top bit pairs)
 inline uint8_t q6_value(const uint8_t* ql, const uint8_t* qh, int i, int j) {
   const uint8_t low = i < 2 ? ql[32 * (i % 2) + j] & 0x0F : ql[32 * (i % 2) + j] >> 4;
@@ -302,7 +296,7 @@ at::Tensor block_tiles_mm(const at::Tensor& x, int64_t format, const at::Tensor&
   if (path == AUTO) path = best_path();
   TORCH_CHECK(cpu_has(path), "block_tiles_mm: this CPU cannot run path ", path);
   const auto xc = x.contiguous();
-  const Rows r = quantize_rows(xc.data_ptr<float>(), M, K, 256);
+  const Rows r = quantize_rows(xc.data_ptr<float>(), M, K, act_block(format));
   auto y = at::empty({M, N}, xc.options());
   float* yp = y.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();

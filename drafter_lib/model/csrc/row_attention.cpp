@@ -21,13 +21,17 @@ namespace {
 // dimension for the values) so that the compiler's vector code is the same arithmetic at any vector width: the
 // portable build and the AVX2 build below give the same bits.
 #define ROW_ATTENTION_BODY                                                                                        \
+  /* a dot product's eight lanes, summed pairwise */                                                              \
+  inline float lanes_sum(const float* x) {                                                                        \
+    return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));                                     \
+  }                                                                                                               \
   inline float dot(const float* a, const float* b, int64_t D) {                                                   \
     float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};                                                                    \
     int64_t d = 0;                                                                                                \
     for (; d + 8 <= D; d += 8)                                                                                    \
       for (int l = 0; l < 8; ++l) lanes[l] = lanes[l] + a[d + l] * b[d + l];                                      \
     for (int l = 0; d < D; ++d, ++l) lanes[l] = lanes[l] + a[d] * b[d];                                           \
-    return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));    \
+    return lanes_sum(lanes);                                                                                      \
   }                                                                                                               \
   /* exp(x) for x <= 0 from basic float operations only (libm's expf may differ between builds): x = n ln2 + r,  \
      a degree-6 polynomial in r, times 2^n; within 2 ulp, 0 below -87 */                                          \
@@ -65,7 +69,7 @@ namespace {
       const int64_t n = len[i];                                                                                   \
       float top = -INFINITY;                                                                                      \
       int64_t j = 0;                                                                                              \
-      for (; j + 4 <= n; j += 4) dots4(qi, ks + j * ks_[1], ks_[1], D, sc, &w[j]);                         \
+      for (; j + 4 <= n; j += 4) dots4(qi, ks + j * ks_[1], ks_[1], D, sc, &w[j]);                               \
       for (; j < n; ++j) w[j] = dot(qi, ks + j * ks_[1], D) * sc;                                                 \
       for (j = 0; j < n; ++j) top = std::max(top, w[j]);                                                          \
       for (int64_t j = 0; j < n; ++j) w[j] = w[j] - top;                                                          \
@@ -97,10 +101,7 @@ ROW_ATTENTION_BODY
 // dot()'s eight lanes as one register, for four keys at once: four independent chains of adds (mul, then add: no
 // fused multiply-add, as dot())
 inline void dots4(const float* a, const float* k, int64_t stride, int64_t D, float sc, float* out) {
-  if (D % 8) {
-    for (int s = 0; s < 4; ++s) out[s] = dot(a, k + s * stride, D) * sc;
-    return;
-  }
+  if (D % 8) return portable::dots4(a, k, stride, D, sc, out);
   __m256 l0 = _mm256_setzero_ps(), l1 = l0, l2 = l0, l3 = l0;
   for (int64_t d = 0; d < D; d += 8) {
     const __m256 x = _mm256_loadu_ps(a + d);
@@ -113,7 +114,7 @@ inline void dots4(const float* a, const float* k, int64_t stride, int64_t D, flo
   for (int s = 0; s < 4; ++s) {
     float x[8];
     _mm256_storeu_ps(x, sums[s]);
-    out[s] = (((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]))) * sc;
+    out[s] = lanes_sum(x) * sc;
   }
 }
 // the same sums with 64 dimensions' accumulators in registers (a pass over the slots per 64 dimensions)

@@ -2,10 +2,12 @@
 
     python bench/pass_split.py [--target qwen2.5-coder-1.5b-instruct] [--numerics gguf] [--tokens 1 5 9]
 
-For each pass size, side by side in one process (medians of interleaved repeats, 384 tokens of context): the pass;
-the same pass with every product answered by zeros of its shape (norms, RoPE, the KV cache, row-exact attention,
-the residual stream and Python: the rest); and the same products alone, in pass order, on random rows. The ratio
-pass / products is what a step without Python overhead would bring towards 1 (the issue's mark: 1.15).
+For each pass size, side by side in one process (medians of interleaved repeats, 384 tokens of context): the pass
+as the runtime runs it (its layers in one C++ call where `RowStep` runs, decoding/row_step.py); the same pass through
+the Python layers; the pass through the Python layers with every product answered by zeros of its shape (norms,
+RoPE, the KV cache, row-exact attention, the residual stream and the interpreter); and the same products alone, in
+pass order, on random rows. The ratio pass / products is what the step without the interpreter brings towards 1
+(the issue's mark: 1.15).
 """
 from __future__ import annotations
 
@@ -35,9 +37,11 @@ def products(model) -> list[torch.nn.Module]:
 
 
 def split(model, mods: list, ids: torch.Tensor, pos: torch.Tensor, cache, rows: list, repeats: int) -> dict:
-    """Median ms of the pass, the pass with its products answered by zeros, and the products alone."""
+    """Median ms of the pass, the pass through the Python layers, that pass with its products answered by zeros,
+    and the products alone."""
     kinds = {type(m) for m in mods}
     real = {k: k.forward for k in kinds}
+    step = model.row_step
 
     def zeros(self, x):
         return x.new_zeros(*x.shape[:-1], self.out_features)
@@ -45,11 +49,18 @@ def split(model, mods: list, ids: torch.Tensor, pos: torch.Tensor, cache, rows: 
     def whole():
         model(ids, pos, cache)
 
+    def python():
+        model.row_step = None
+        try:
+            model(ids, pos, cache)
+        finally:
+            model.row_step = step
+
     def without():
         for k in kinds:
             k.forward = zeros
         try:
-            model(ids, pos, cache)
+            python()
         finally:
             for k, f in real.items():
                 k.forward = f
@@ -58,9 +69,9 @@ def split(model, mods: list, ids: torch.Tensor, pos: torch.Tensor, cache, rows: 
         for m, x in zip(mods, rows):
             m(x)
 
-    times = {"pass": [], "without products": [], "products alone": []}
+    times = {"pass": [], "python layers": [], "python layers without products": [], "products alone": []}
     for _ in range(repeats):
-        for name, fn in zip(times, (whole, without, alone)):
+        for name, fn in zip(times, (whole, python, without, alone)):
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
@@ -79,7 +90,8 @@ def main(argv=None) -> dict:
           f"torch {torch.__version__}  threads {torch.get_num_threads()}")
     rt = load_target_runtime(args.target, numerics=args.numerics)
     model, mods = rt.model, products(rt.model)
-    print(f"target: {args.target} ({rt.numerics}), {len(mods)} products a pass")
+    print(f"target: {args.target} ({rt.numerics}), {len(mods)} products a pass, layers in "
+          f"{'one C++ call (RowStep)' if model.row_step is not None else 'Python'}")
     gen = torch.Generator().manual_seed(0)
     cache = model.new_cache(1, CONTEXT + max(args.tokens) + 64)
     vocab = min(1000, model.config.vocab_size)
@@ -92,9 +104,11 @@ def main(argv=None) -> dict:
             rows = [torch.randn(t, m.in_features, generator=gen) for m in mods]
             ms = split(model, mods, ids, pos, cache, rows, args.repeats)
             ms["pass / products"] = ms["pass"] / ms["products alone"]
-            out[t] = ms | {"products": len(mods)}
+            out[t] = ms | {"products": len(mods), "cpp step": model.row_step is not None}
             print(f"{t:2d} tokens: pass {ms['pass']:.1f} ms = products {ms['products alone']:.1f} + the rest "
-                  f"{ms['without products']:.1f} (pass / products {ms['pass / products']:.2f})", flush=True)
+                  f"{ms['pass'] - ms['products alone']:.1f} (pass / products {ms['pass / products']:.2f}); "
+                  f"through the Python layers {ms['python layers']:.1f} ms, of which the rest "
+                  f"{ms['python layers without products']:.1f}", flush=True)
     return out
 
 

@@ -90,6 +90,10 @@ def runtime_target(model: Transformer, numerics: str = "w8a8", kernel: str | Non
 
             replace_linears(model, from_float_weights(W4A8Linear))
     model.row_exact = True
+    if numerics == "gguf":
+        from drafter_lib.decoding.row_step import RowStep
+
+        model.row_step = RowStep.of(model)  # checked against the Python layers first; None keeps them
     return NativeTarget(model, linears="stock")
 
 

@@ -556,9 +556,12 @@ class Transformer(nn.Module):
                 raise ValueError(f"position {length - 1} exceeds KV cache capacity {cache.capacity}")
             if self.row_exact:
                 self._check_row_exact_cache(cache)
-                rows = RowGroups.of(positions)
-                for layer in m.layers:
-                    x = layer(x, cos, sin, positions, rows, cache, cache.capacity)
+                if self.row_step is not None and self.row_step.takes(positions, cache):  # the same layers in C++
+                    x = self.row_step(x, cos, sin, positions, cache)
+                else:
+                    rows = RowGroups.of(positions)
+                    for layer in m.layers:
+                        x = layer(x, cos, sin, positions, rows, cache, cache.capacity)
                 return m.norm(x[:, -1:] if last_only else x)
             if self.compiled_step is not None and T <= COMPILED_MAX_T:
                 x = self.compiled_step(x, cos, sin, positions, cache)
@@ -592,6 +595,7 @@ class Transformer(nn.Module):
     # equal its one-token steps bit for bit wherever its linears are row-exact too (w8a8.py)
     upcast_act = True  # fp16/bf16 weights still run activations in fp32 (see Linear)
     compiled_step = None  # a compiled `cached_step` that hidden() runs for short cached steps (the engine's)
+    row_step = None  # a row-exact model's layers in C++ for one sequence's chain passes (decoding/row_step.py)
 
     def cached_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                     cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -35,27 +35,26 @@ namespace {
   }                                                                                                               \
   /* exp(x) for x <= 0 from basic float operations only (libm's expf may differ between builds): x = n ln2 + r,  \
      a degree-6 polynomial in r, times 2^n; within 2 ulp, 0 below -87 */                                          \
-  inline void exps(float* x, int64_t n) {                                                                         \
-    for (int64_t j = 0; j < n; ++j) {                                                                             \
-      const float v = x[j] < -87.f ? -87.f : x[j];                                                                \
-      const float k = (v * 1.44269504f + 12582912.f) - 12582912.f; /* round to nearest */                          \
-      const float r = (v - k * 0.693145752f) - k * 1.42860677e-06f;                                               \
-      float p = 1.f / 720.f;                                                                                      \
-      p = p * r + 1.f / 120.f;                                                                                    \
-      p = p * r + 1.f / 24.f;                                                                                     \
-      p = p * r + 1.f / 6.f;                                                                                      \
-      p = p * r + 0.5f;                                                                                           \
-      p = p * r + 1.f;                                                                                            \
-      p = p * r + 1.f;                                                                                            \
-      int32_t bits = (static_cast<int32_t>(k) + 127) << 23;                                                       \
-      float scale;                                                                                                \
-      std::memcpy(&scale, &bits, 4);                                                                              \
-      x[j] = x[j] < -87.f ? 0.f : p * scale;                                                                      \
-    }                                                                                                             \
+  inline float exp_one(float x) {                                                                                 \
+    const float v = x < -87.f ? -87.f : x;                                                                        \
+    const float k = (v * 1.44269504f + 12582912.f) - 12582912.f; /* round to nearest */                           \
+    const float r = (v - k * 0.693145752f) - k * 1.42860677e-06f;                                                 \
+    float p = 1.f / 720.f;                                                                                        \
+    p = p * r + 1.f / 120.f;                                                                                      \
+    p = p * r + 1.f / 24.f;                                                                                       \
+    p = p * r + 1.f / 6.f;                                                                                        \
+    p = p * r + 0.5f;                                                                                             \
+    p = p * r + 1.f;                                                                                              \
+    p = p * r + 1.f;                                                                                              \
+    int32_t bits = (static_cast<int32_t>(k) + 127) << 23;                                                         \
+    float scale;                                                                                                  \
+    std::memcpy(&scale, &bits, 4);                                                                                \
+    return x < -87.f ? 0.f : p * scale;                                                                           \
   }
 
-// The queries' loop; each namespace has dots4(q, k, stride, D, scale, out), four keys' dot() * scale at once, and
-// weighted_sum(w, v, stride, n, D, acc), acc[d] = the n values' dimension d weighted and added in slot order.
+// The queries' loop; each namespace has dots4(q, k, stride, D, scale, out), four keys' dot() * scale at once,
+// exps(x, n), x[j] = exp_one(x[j]), and weighted_sum(w, v, stride, n, D, acc), acc[d] = the n values' dimension d
+// weighted and added in slot order.
 #define ROW_ATTENTION_QUERIES                                                                                     \
   /* ks_, vs_: the key and value strides {sequence, slot} (a slot's D floats are adjacent) */                   \
   void queries(const float* qp, const float* kp, const float* vp, const int64_t* ks_, const int64_t* vs_,         \
@@ -83,6 +82,9 @@ namespace {
 
 namespace portable {
 ROW_ATTENTION_BODY
+inline void exps(float* x, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) x[j] = exp_one(x[j]);
+}
 inline void dots4(const float* a, const float* k, int64_t stride, int64_t D, float sc, float* out) {
   for (int s = 0; s < 4; ++s) out[s] = dot(a, k + s * stride, D) * sc;
 }
@@ -98,6 +100,25 @@ ROW_ATTENTION_QUERIES
 #pragma GCC target("avx2")
 namespace avx2 {
 ROW_ATTENTION_BODY
+// exp_one on eight slots at once: the same operations lane by lane (no fused multiply-add)
+inline void exps(float* x, int64_t n) {
+  const __m256 low = _mm256_set1_ps(-87.f), shift = _mm256_set1_ps(12582912.f), zero = _mm256_setzero_ps();
+  const float coef[6] = {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 xj = _mm256_loadu_ps(x + j);
+    const __m256 under = _mm256_cmp_ps(xj, low, _CMP_LT_OQ);
+    const __m256 v = _mm256_blendv_ps(xj, low, under);
+    const __m256 k = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(1.44269504f)), shift), shift);
+    const __m256 r = _mm256_sub_ps(_mm256_sub_ps(v, _mm256_mul_ps(k, _mm256_set1_ps(0.693145752f))),
+                                   _mm256_mul_ps(k, _mm256_set1_ps(1.42860677e-06f)));
+    __m256 p = _mm256_set1_ps(1.f / 720.f);
+    for (float c : coef) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(k), _mm256_set1_epi32(127)), 23);
+    _mm256_storeu_ps(x + j, _mm256_blendv_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(bits)), zero, under));
+  }
+  for (; j < n; ++j) x[j] = exp_one(x[j]);
+}
 // dot()'s eight lanes as one register, for four keys at once: four independent chains of adds (mul, then add: no
 // fused multiply-add, as dot())
 inline void dots4(const float* a, const float* k, int64_t stride, int64_t D, float sc, float* out) {

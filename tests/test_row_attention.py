@@ -50,13 +50,19 @@ def test_a_querys_bits_alone_inside_any_batch_and_on_any_thread_count():
     assert torch.equal(row_attention.attend(q, k2, v2, lengths)[short], y[short])
 
 
-def test_the_avx2_path_gives_the_portable_paths_bits():
+@pytest.mark.parametrize("sharp", [1.0, 40.0])  # 40: scores far below the maximum, whose exp is 0 (below -87)
+def test_the_avx2_path_gives_the_portable_paths_bits(sharp):
     q, k, v, lengths = _inputs(queries=36, sequences=6, dim=64)
+    q = q * sharp
     try:
         wide = row_attention.attend(q, k, v, lengths, "avx2")
     except RuntimeError:
         pytest.skip("this CPU has no AVX2")
-    assert torch.equal(wide, row_attention.attend(q, k, v, lengths, "portable"))
+    portable = row_attention.attend(q, k, v, lengths, "portable")
+    assert torch.equal(wide, portable)
+    if sharp > 1:  # the clamp was reached: some weights are exactly 0, and the rest still a convex mix of values
+        scores = (k[:, None] @ q.view(6, 6, 64, 1)).squeeze(-1) / 8.0
+        assert (scores.amax(-1) - scores.amin(-1)).max() > 87
 
 
 def test_bad_inputs_are_refused():

@@ -18,9 +18,10 @@ Tree rows ("<pack> tree N"): each --model-dir pack drafts trees of at most N nod
 one tree-attention pass; runtime targets only (llama.cpp here verifies chains).
 
 --http: server.py (a real uvicorn on 127.0.0.1, a subprocess) serves the first --numerics runtime with the first
---model-dir pack as its drafter (the shipped model/ without one: the server drafts with packs only, not with a GGUF
-peer), queried with the `openai` client at temperature 0; tokens/s are timed client side (request to answer), and
-"equal" counts answers whose text is the in-process plain output's text.
+--model-dir pack as its drafter (the shipped model/ without one: the server drafts with packs, not with a GGUF peer),
+queried with the `openai` client at temperature 0; tokens/s are timed client side (request to answer), and "equal"
+counts answers whose text is the in-process plain output's text. --http-drafter prompt-lookup serves it drafted by
+prompt lookup instead (GENERATION_DRAFTER=prompt-lookup, its k: the server's default).
 
 --llama-speculative PATH: llama.cpp's own tool (llama-speculative-simple or llama-speculative, built by
 bench/build_llama_speculative.sh from the llama.cpp llama-cpp-python vendors), one subprocess per prompt and k, the
@@ -92,6 +93,8 @@ def make_parser() -> argparse.ArgumentParser:
                     help="the runtime rows: how the target's linears multiply (gguf: the file's own blocks)")
     ap.add_argument("--http", action="store_true", help="a row of the first runtime served by server.py, drafted "
                     "by the first pack (else model/), queried over HTTP with the openai client")
+    ap.add_argument("--http-drafter", default="model", choices=["model", "prompt-lookup"],
+                    help="what drafts the served row: the pack (default) or prompt lookup (GENERATION_DRAFTER)")
     ap.add_argument("--llama-speculative", metavar="PATH", help="llama.cpp's speculative tool "
                     "(bench/build_llama_speculative.sh builds it): rows of it with the target and the peer GGUFs")
     ap.add_argument("--json", default=None)
@@ -115,7 +118,7 @@ class Server:
     """server.py on a free loopback port with TARGET (the runtime, `numerics`) and MODEL_DIR (its drafter), queried
     by the `openai` client as a user of the server would."""
 
-    def __init__(self, target: str, numerics: str, model_dir: str):
+    def __init__(self, target: str, numerics: str, model_dir: str, drafter: str = "model"):
         from openai import OpenAI
 
         from drafter_lib.serve.client import SpeculativeClient
@@ -125,7 +128,7 @@ class Server:
             port = sock.getsockname()[1]
         url = f"http://127.0.0.1:{port}"
         env = dict(os.environ, HOST="127.0.0.1", PORT=str(port), MODEL_DIR=model_dir, TARGET=target,
-                   TARGET_NUMERICS=numerics, LOG_LEVEL="warning", PYTHONPATH=str(ROOT))
+                   TARGET_NUMERICS=numerics, GENERATION_DRAFTER=drafter, LOG_LEVEL="warning", PYTHONPATH=str(ROOT))
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, str(ROOT / "server.py")], env=env, cwd=ROOT, stdout=self.log,
                                      stderr=subprocess.STDOUT)
@@ -198,7 +201,7 @@ def run_llama_speculative(command: list[str]) -> tuple[str, int, float, int]:
 
 def main(argv=None) -> dict:
     args = make_parser().parse_args(argv)
-    if args.http and not args.model_dir and args.target != hf_models.DEFAULT_TEACHER:
+    if args.http and args.http_drafter == "model" and not args.model_dir and args.target != hf_models.DEFAULT_TEACHER:
         sys.exit(f"--http: the server drafts with a pack only; give --model-dir (the shipped model/ is "
                  f"{hf_models.DEFAULT_TEACHER}'s)")
     print(f"cpu: {cpu_model()}  capability: {torch.backends.cpu.get_cpu_capability()}  torch {torch.__version__}  "
@@ -231,13 +234,14 @@ def main(argv=None) -> dict:
     rows: dict[str, dict] = {}
     server = None
     if args.http:
-        from drafter_lib.serve.schema import DEFAULT_DRAFT_TOKENS  # the server's k (its pack's min_confidence)
+        from drafter_lib.serve.settings import Settings
 
-        pack = args.model_dir[0] if args.model_dir else str(ROOT / "model")
+        pack = args.model_dir[0] if args.model_dir else str(ROOT / "model")  # (prompt lookup: /draft's only)
+        k = Settings(generation_drafter=args.http_drafter).draft_tokens  # the server's default k for that drafter
         t0 = time.perf_counter()
-        server = Server(args.target, args.numerics[0], pack)
-        http_row = (f"runtime {args.numerics[0].upper()} + {Path(pack).name} over HTTP (server.py k="
-                    f"{DEFAULT_DRAFT_TOKENS}, openai client)")
+        server = Server(args.target, args.numerics[0], pack, args.http_drafter)
+        what = Path(pack).name if args.http_drafter == "model" else "prompt lookup"
+        http_row = f"runtime {args.numerics[0].upper()} + {what} over HTTP (server.py k={k}, openai client)"
         http_plain = next(iter(runtimes))
         print(f"server ready in {time.perf_counter() - t0:.0f} s", flush=True)
 

@@ -30,6 +30,12 @@ def test_streams_the_targets_greedy_text_with_and_without_the_drafter(generation
     assert "tokens/s" in err and "tokens per step" in err and f"{len(tokens)} tokens in" in err
     out, err = _run(capsys, *common, "--no-drafter", "--prompt", "Once upon")
     assert out == text and f"{len(tokens)} target steps, 1.00 tokens per step" in err and "no drafter" in err
+    # prompt lookup: drafts copied from the context (the tiny target's answer repeats some of its n-grams), the same
+    # text whether they are taken or not
+    long_text, long_tokens, _ = reference(generation_runtime, generation_runtime.tokenizer.encode("Once upon"), 120)
+    out, err = _run(capsys, "--target", target, "--max-tokens", 120, "--prompt-lookup", "--prompt", "Once upon")
+    assert out == long_text and "prompt lookup" in err
+    assert int(err.split(" draft tokens accepted")[0].rsplit(" ", 1)[-1]) > 0  # it drafted
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     chat_text = reference(generation_runtime, encode_chat(generation_runtime.tokenizer, messages), 40)[0]
@@ -53,6 +59,8 @@ def test_streams_the_targets_greedy_text_with_and_without_the_drafter(generation
     (["--prompt", "x", "--chat", "y"], ["not allowed with argument"]),
     ([], ["one of the arguments --prompt --chat --messages is required"]),
     (["--numerics", "int4", "--prompt", "x"], ["invalid choice"]),
+    (["--prompt-lookup", "--no-drafter", "--prompt", "x"], ["not allowed with argument"]),
+    (["--prompt-lookup", "--min-confidence", "0.5", "--prompt", "x"], ["not with --prompt-lookup"]),
 ])
 def test_bad_arguments_stop_with_a_usage_line(capsys, argv, words):
     with pytest.raises(SystemExit) as e:

@@ -843,3 +843,48 @@ def test_generation_settings(monkeypatch):
         with pytest.raises(ValidationError) as e:
             Settings.from_env()
         assert describe_errors(e.value)[0].startswith(f"GENERATION_DEFAULT_MAX_TOKENS={bad!r}: ")
+
+
+@pytest.mark.parametrize("drafter, k", [("prompt-lookup", 4), ("none", 0)])
+def test_generations_drafted_by_prompt_lookup_or_nothing_are_the_targets_greedy_text(generation_dirs,
+                                                                                      generation_runtime, drafter, k,
+                                                                                      tmp_path):
+    from drafter_lib.common.chat import encode_chat
+
+    target_dir, drafter_dir = generation_dirs
+    messages = [{"role": "user", "content": "Say it twice: a b c d, a b c d"}]
+    ids = encode_chat(generation_runtime.tokenizer, messages)
+    text, tokens, finish = reference(generation_runtime, ids, 64)
+    with ServerProcess(drafter_dir, tmp_path / "server.log", TARGET=target_dir, GENERATION_DRAFTER=drafter) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            info = http.get("/info").json()["target"]
+            assert (info["drafter"], info["draft_tokens"], info["min_confidence"]) == (drafter, k, None)
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+            out = _complete(client, target_dir.name, False, chat=True, messages=messages, max_tokens=64)
+    assert (out["text"], out["finish_reason"], out["usage"]) == (text, finish, _usage(ids, tokens))
+    _check_specdraft(out, tokens)
+    assert (out["specdraft"]["draft_tokens"] > 0) == (drafter == "prompt-lookup")  # the lookup drafted
+
+
+def test_generation_drafter_settings(monkeypatch):
+    from pydantic import ValidationError
+
+    from drafter_lib.decoding import text_generation
+    from drafter_lib.serve.settings import GENERATION_DRAFTERS, PROMPT_LOOKUP_TOKENS, Settings, describe_errors
+
+    assert (GENERATION_DRAFTERS, PROMPT_LOOKUP_TOKENS) == (text_generation.GENERATION_DRAFTERS,
+                                                           text_generation.PROMPT_LOOKUP_TOKENS)
+    for var in ("GENERATION_DRAFTER", "GENERATION_DRAFT_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    assert (Settings.from_env().generation_drafter, Settings.from_env().draft_tokens) == ("model", 16)
+    monkeypatch.setenv("GENERATION_DRAFTER", " Prompt-Lookup")
+    assert Settings.from_env().draft_tokens == 4
+    monkeypatch.setenv("GENERATION_DRAFT_TOKENS", "2")
+    assert Settings.from_env().draft_tokens == 2
+    monkeypatch.setenv("GENERATION_DRAFTER", "eagle")
+    monkeypatch.setenv("GENERATION_DRAFT_TOKENS", "0")
+    with pytest.raises(ValidationError) as e:
+        Settings.from_env()
+    assert describe_errors(e.value) == [
+        "GENERATION_DRAFTER='eagle': Input should be 'model', 'prompt-lookup' or 'none'",
+        "GENERATION_DRAFT_TOKENS='0': Input should be greater than or equal to 1"]

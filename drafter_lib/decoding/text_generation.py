@@ -135,6 +135,27 @@ def drafter_for(runtime: TargetRuntime, engine, min_confidence: float | None = N
     return BoundedDrafter(engine, **({} if min_confidence is None else {"min_confidence": min_confidence}))
 
 
+GENERATION_DRAFTERS = ("model", "prompt-lookup", "none")
+PROMPT_LOOKUP_TOKENS = 4  # prompt lookup's k: its drafts are free but have no confidence to stop them, and a verify
+# pass over many tokens costs several one-token passes on a CPU (bench/pass_cost.py: 5 tokens ~2-3 passes)
+
+
+def generation_drafter(kind: str, runtime: TargetRuntime, engine=None, min_confidence: float | None = None
+                       ) -> BoundedDrafter | None:
+    """What drafts `runtime`'s generations: "model", the packed drafter `engine` (`drafter_for`); "prompt-lookup",
+    n-gram matches in the generation's own context (no model runs: free drafts, right where the answer repeats its
+    prompt or itself, as code does); "none", plain greedy decoding."""
+    if kind == "model":
+        return drafter_for(runtime, engine, min_confidence)
+    if kind == "prompt-lookup":
+        from drafter_lib.packed.copy_policy import CopyDrafter
+
+        return BoundedDrafter(CopyDrafter())
+    if kind == "none":
+        return None
+    raise ValueError(f"the generation drafter must be one of {GENERATION_DRAFTERS}, got {kind!r}")
+
+
 class TextGeneration:
     """One greedy generation of `runtime` after `prompt` (token ids): iterate it for `TextDelta`s, one per target
     step; `stats` counts as it goes and `finish_reason` is set at the end. At most `max_tokens` new tokens (None: up

@@ -10,18 +10,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from drafter_lib.packed.copy_policy import CopyPolicy
+from drafter_lib.packed.copy_policy import CopyDrafter, CopyPolicy
 from drafter_lib.packed.model_dir import read_copy_policy
-
-
-class CopyDrafter:
-    """n-gram prompt lookup alone: proposals come only from the current context (CopyPolicy.propose)."""
-
-    def __init__(self, policy: CopyPolicy):
-        self.policy = policy
-
-    def draft(self, tokens: list[int], k: int) -> list[int]:
-        return list(self.policy.propose(list(tokens), k))[:k]
 
 
 def hf_config_dict(config) -> dict:
@@ -60,7 +50,7 @@ def ngram_drafter(copy_policy: dict | CopyPolicy | None = None) -> CopyDrafter:
     """Prompt lookup alone (n-gram matches in the current context), with `copy_policy`'s n-gram settings."""
     if not isinstance(copy_policy, CopyPolicy):
         copy_policy = CopyPolicy.from_dict(copy_policy)
-    return CopyDrafter(dataclasses.replace(copy_policy, enabled=True))
+    return CopyDrafter(copy_policy)
 
 
 PRUNED_BASE = "pruned base (untrained)"  # the baselines row of the untrained drafter base

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 MODES = ("prefix", "accelerate")
@@ -71,3 +71,14 @@ class CopyPolicy:
                     if cont:
                         return cont
         return []
+
+
+class CopyDrafter:
+    """n-gram prompt lookup alone, as a drafter: proposals come only from the current context (`policy.propose`,
+    switched on whatever the policy says; default: CopyPolicy's n-gram settings)."""
+
+    def __init__(self, policy: CopyPolicy | None = None):
+        self.policy = replace(policy or CopyPolicy(), enabled=True)
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        return list(self.policy.propose(list(tokens), k))[:k]

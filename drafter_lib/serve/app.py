@@ -84,15 +84,17 @@ class ServeState:
     inflight: int = 0  # POST /draft and /v1 requests inside the handler
     metrics: Metrics = field(default_factory=Metrics)
     runtime: object = None  # the target's TargetRuntime, when the server has one (TARGET)
-    generation_drafter: object = None  # the engine as the drafter of the target's generations
+    generation_drafter: object = None  # what drafts the target's generations (GENERATION_DRAFTER), None: nothing
+    drafting: str = "model"  # GENERATION_DRAFTER
+    draft_tokens: int = 16  # k of the target's generations (Settings.draft_tokens)
     generations: object = None  # the GenerationRunner of the /v1 endpoints, when the server has a target
 
     def ready(self, engine, load_s: float, runtime=None) -> None:
         """The drafter (and the target, if any) the routes use from now on."""
         if runtime is not None:
-            from drafter_lib.decoding.text_generation import drafter_for
+            from drafter_lib.decoding.text_generation import generation_drafter
 
-            self.generation_drafter = drafter_for(runtime, engine)
+            self.generation_drafter = generation_drafter(self.drafting, runtime, engine)
             self.runtime = runtime
         self.run_batch, self.load_s = _trimming(engine), load_s
         self.run_tree = _trimming(engine, tree=True)
@@ -269,7 +271,7 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
     OpenAI-compatible endpoints (openai_api.py)."""
     settings = settings or Settings.from_env()
     thread = EngineThread()  # loads the engine and runs every batch on it: one OpenMP team (batching.py)
-    state = ServeState()
+    state = ServeState(drafting=settings.generation_drafter, draft_tokens=settings.draft_tokens)
     if engine is not None:
         limits = Limits(int(engine.vocab_size), int(engine.max_context))
         if runtime is not None or settings.target is None:
@@ -338,7 +340,7 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
     app.openapi = openapi
     if state.generations is not None:
         add_openai_routes(app, state, state.generations, settings.target_name if runtime is None else runtime.name,
-                          int(started), DEFAULT_DRAFT_TOKENS, settings.generation_default_max_tokens,
+                          int(started), state.draft_tokens, settings.generation_default_max_tokens,
                           settings.generation_prefill_chunk)
 
     def unavailable(exc: Overloaded, t0: float) -> JSONResponse:
@@ -479,9 +481,11 @@ def create_app(settings: Settings | None = None, engine=None, runtime=None) -> F
 def target_info(state: ServeState) -> dict:
     """/info's `target` block: the model the /v1 endpoints serve and how its drafts are asked for."""
     rt = state.runtime
+    drafter = state.generation_drafter
     return {"name": rt.name, "numerics": rt.numerics, "context_length": rt.context_length,
-            "vocab_size": rt.target.vocab_size, "draft_tokens": DEFAULT_DRAFT_TOKENS,
-            "min_confidence": state.generation_drafter.options.get("min_confidence")}
+            "vocab_size": rt.target.vocab_size, "drafter": state.drafting,
+            "draft_tokens": state.draft_tokens if drafter is not None else 0,
+            "min_confidence": drafter.options.get("min_confidence") if drafter is not None else None}
 
 
 # ---------------------------------------------------------------- serving with a drain on SIGTERM

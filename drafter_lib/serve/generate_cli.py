@@ -4,6 +4,7 @@ tokens, and the text streams to the terminal as the target accepts it.
     specdraft-generate --chat "Write a haiku about CPUs."
     specdraft-generate --prompt "def fibonacci(n):" --max-tokens 64 --stop "\\n\\n"
     specdraft-generate --messages chat.json --no-drafter          # plain greedy decoding, the baseline
+    specdraft-generate --chat "Fix this: ..." --prompt-lookup     # drafts copied from the context, no drafter model
 
 The text goes to stdout; the figures (tokens per second, tokens per target step) to stderr at the end. The output
 is the target's own greedy answer whatever the drafter proposes; only the speed depends on it.
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from drafter_lib.common.layout import MODEL_DIR
 from drafter_lib.common.openmp_wait import bounded_spin
-from drafter_lib.serve.settings import TARGET_NUMERICS
+from drafter_lib.serve.settings import PROMPT_LOOKUP_TOKENS, TARGET_NUMERICS
 
 DEFAULT_TARGET = "smollm2-135m-instruct"
 DEFAULT_MAX_TOKENS = 256
@@ -33,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     drafter = ap.add_mutually_exclusive_group()
     drafter.add_argument("--model-dir", default=str(MODEL_DIR), help="the packed drafter (default: model/)")
     drafter.add_argument("--no-drafter", action="store_true", help="plain greedy decoding, one token per step")
+    drafter.add_argument("--prompt-lookup", action="store_true", help="draft by prompt lookup: the tokens that "
+                         "followed the context's last few tokens where they occurred before (no drafter model)")
     prompt = ap.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="raw text to continue (no chat template)")
     prompt.add_argument("--chat", help="a user message, through the target's chat template")
@@ -40,7 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         '[{"role": "system"|"user"|"assistant", "content": "..."}, ...]')
     ap.add_argument("--max-tokens", type=int, default=None, help=f"most new tokens (default: {DEFAULT_MAX_TOKENS}, "
                     "or what the target's context leaves)")
-    ap.add_argument("--k", type=int, default=16, help="most tokens drafted per target step (default: 16)")
+    ap.add_argument("--k", type=int, default=None, help="most tokens drafted per target step (default: 16; "
+                    f"{PROMPT_LOOKUP_TOKENS} with --prompt-lookup, whose drafts have no confidence to stop them)")
     ap.add_argument("--min-confidence", type=float, default=None, help="stop a draft below this drafter "
                     "probability (default: the pack's recommendation; 0: always k tokens)")
     ap.add_argument("--stop", action="append", default=None, metavar="TEXT",
@@ -50,8 +54,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.max_tokens is not None and args.max_tokens < 1:
         ap.error(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if args.k is None:
+        args.k = PROMPT_LOOKUP_TOKENS if args.prompt_lookup else 16
     if args.k < 1:
         ap.error(f"--k must be at least 1, got {args.k}")
+    if args.min_confidence is not None and (args.prompt_lookup or args.no_drafter):
+        ap.error("--min-confidence is a drafter model's threshold: not with --prompt-lookup or --no-drafter")
     if args.min_confidence is not None and not 0 <= args.min_confidence <= 1:
         ap.error(f"--min-confidence must be in [0, 1], got {args.min_confidence}")
     if args.chat is not None and not args.chat.strip():
@@ -103,20 +111,18 @@ def run(args: argparse.Namespace) -> None:
         TextGeneration,
         chat_prompt_ids,
         completion_prompt_ids,
-        drafter_for,
+        generation_drafter,
     )
 
     messages = read_messages(args.messages) if args.messages is not None else None
-    drafter = None
+    kind = "none" if args.no_drafter else "prompt-lookup" if args.prompt_lookup else "model"
     t0 = time.perf_counter()
-    if not args.no_drafter:
-        engine = load_drafter(args.model_dir)
+    engine = load_drafter(args.model_dir) if kind == "model" else None
     try:
         runtime = load_target_runtime(args.target, numerics=args.numerics)
     except (OSError, ImportError) as e:
         raise ValueError(f"cannot load the target {args.target!r}: {e}") from None
-    if not args.no_drafter:
-        drafter = drafter_for(runtime, engine, args.min_confidence)
+    drafter = generation_drafter(kind, runtime, engine, args.min_confidence)
     if args.prompt is not None:
         ids = completion_prompt_ids(runtime, args.prompt)
     else:
@@ -125,7 +131,8 @@ def run(args: argparse.Namespace) -> None:
     if max_tokens is None:
         max_tokens = max(1, min(DEFAULT_MAX_TOKENS, runtime.context_length - len(ids)))
     generation = TextGeneration(runtime, ids, max_tokens, drafter, args.k, args.stop)
-    print(f"[{runtime.name} ({args.numerics}), {'drafter ' + Path(args.model_dir).name if drafter else 'no drafter'}"
+    what = {"model": f"drafter {Path(args.model_dir).name}", "prompt-lookup": "prompt lookup", "none": "no drafter"}
+    print(f"[{runtime.name} ({args.numerics}), {what[kind]}"
           f"; loaded in {time.perf_counter() - t0:.1f} s; prompt {len(ids)} tokens]", file=sys.stderr, flush=True)
     try:
         for delta in generation:

@@ -20,6 +20,8 @@ from drafter_lib.packed.config_keys import ENGINE_DTYPES, RECOMMENDED, check_min
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # decoding/runtime.py's NUMERICS, spelled out so that reading the settings imports no torch (a test keeps them equal)
 TARGET_NUMERICS = ("auto", "gguf", "w8a8", "w4a8", "fp32")
+GENERATION_DRAFTERS = ("model", "prompt-lookup", "none")  # text_generation.GENERATION_DRAFTERS, the same way
+PROMPT_LOOKUP_TOKENS = 4  # text_generation.PROMPT_LOOKUP_TOKENS
 LOOPBACK_NAMES = ("localhost", "ip6-localhost")
 
 
@@ -59,6 +61,11 @@ class Settings(BaseSettings):
     # a Hugging Face folder; unset: the drafter alone, as before. TARGET_DIR is the same setting.
     target: str | None = Field(None, validation_alias=AliasChoices("target", "target_dir"))
     target_numerics: Literal[TARGET_NUMERICS] = "auto"  # how its linears multiply (decoding/runtime.py)
+    # what drafts its generations: the packed drafter of MODEL_DIR, prompt lookup (n-gram matches in the generation's
+    # own context, no model) or nothing; and the most tokens drafted a target step (None: 16 for the pack, whose
+    # drafts stop at its confidence threshold, 4 for prompt lookup: text_generation.PROMPT_LOOKUP_TOKENS)
+    generation_drafter: Literal[GENERATION_DRAFTERS] = "model"
+    generation_draft_tokens: int | None = Field(None, ge=1, le=64)
     # the bound of a chat answer that sets no max_tokens (and of what the context leaves: the smaller wins)
     generation_default_max_tokens: int = Field(2048, ge=1, le=1_000_000)
     # generations waiting for a running one to end (GENERATION_MAX_QUEUE) before 503, and how long one may wait to
@@ -75,12 +82,13 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = None
     behind_auth_proxy: bool = False
 
-    @field_validator("log_level", "log_format", "engine_dtype", "target_numerics", mode="before")
+    @field_validator("log_level", "log_format", "engine_dtype", "target_numerics", "generation_drafter", mode="before")
     @classmethod
     def _lower_case_words(cls, value):
         return value.strip().lower() if isinstance(value, str) else value
 
-    @field_validator("api_key", "engine_dtype", "shutdown_timeout_s", "api_keys_file", "target", mode="before")
+    @field_validator("api_key", "engine_dtype", "shutdown_timeout_s", "api_keys_file", "target",
+                     "generation_draft_tokens", mode="before")
     @classmethod
     def _empty_is_unset(cls, value):
         return None if isinstance(value, str) and not value.strip() else value
@@ -118,6 +126,15 @@ class Settings(BaseSettings):
     @property
     def drain_s(self) -> float:
         return self.request_timeout_s + 5 if self.shutdown_timeout_s is None else self.shutdown_timeout_s
+
+    @property
+    def draft_tokens(self) -> int:
+        """k of the target's generations: GENERATION_DRAFT_TOKENS, else the default of GENERATION_DRAFTER's kind."""
+        from drafter_lib.serve.schema import DEFAULT_DRAFT_TOKENS
+
+        if self.generation_draft_tokens is not None:
+            return self.generation_draft_tokens
+        return PROMPT_LOOKUP_TOKENS if self.generation_drafter == "prompt-lookup" else DEFAULT_DRAFT_TOKENS
 
     @property
     def target_name(self) -> str | None:

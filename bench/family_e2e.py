@@ -93,6 +93,8 @@ def make_parser() -> argparse.ArgumentParser:
                     help="the runtime rows: how the target's linears multiply (gguf: the file's own blocks)")
     ap.add_argument("--http", action="store_true", help="a row of the first runtime served by server.py, drafted "
                     "by the first pack (else model/), queried over HTTP with the openai client")
+    ap.add_argument("--peer-in-runtime", action="store_true", help="rows of the peer drafting in this project's "
+                    "runtime (its GGUF's own blocks) beside the peer in llama.cpp")
     ap.add_argument("--http-drafter", default="model", choices=["model", "prompt-lookup"],
                     help="what drafts the served row: the pack (default) or prompt lookup (GENERATION_DRAFTER)")
     ap.add_argument("--llama-speculative", metavar="PATH", help="llama.cpp's speculative tool "
@@ -222,6 +224,14 @@ def main(argv=None) -> dict:
     llama = LlamaCppTarget(target_gguf, n_ctx=4096)
     # name: (drafter, k, tree budget or None); a tree row drafts as deep as the deepest chain
     drafters = {f"peer {args.peer} (llama.cpp) k={k}": (LlamaCppDrafter(peer_gguf), k, None) for k in args.k}
+    if args.peer_in_runtime:  # the same peer in this project's runtime, its GGUF's own blocks
+        from drafter_lib.decoding.speculative import TargetDrafter
+
+        t0 = time.perf_counter()
+        peer = load_target_runtime(args.peer, numerics="gguf")
+        print(f"peer in the runtime loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+        drafters.update({f"peer {args.peer} (runtime) k={k}": (TargetDrafter(peer.new_target()), k, None)
+                         for k in args.k})
     drafters.update({f"prompt lookup k={k}": (ngram_drafter(), k, None) for k in args.prompt_lookup})
     if args.model_dir:
         from drafter_lib.engine.draft_engine import DraftEngine

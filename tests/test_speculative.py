@@ -229,3 +229,36 @@ def test_hf_target_keeps_grouped_kv_heads_in_the_kernel(targets, monkeypatch):
         assert "TRANSFORMERS_SDPA_FORCE_GQA" not in os.environ
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-5, atol=1e-5)
     assert HFTarget(hf).gqa_kernel  # the default on a CPU model
+
+
+def test_a_target_drafts_its_greedy_tokens_across_requests(tiny_random):
+    """TargetDrafter (a Target, e.g. the family's small sibling in this runtime, as a drafter): each draft is its
+    model's greedy continuation, whether a request extends the tokens its cache holds or parts from them, and a
+    runtime target's speculative output with it equals its plain output."""
+    from drafter_lib.decoding.runtime import runtime_target
+    from drafter_lib.decoding.speculative import TargetDrafter
+
+    small, _ = tiny_random("qwen2", seed=4, hidden_size=64, num_hidden_layers=1, intermediate_size=128)
+    big, _ = tiny_random("qwen2", seed=5, hidden_size=64, num_hidden_layers=2, intermediate_size=128)
+    drafter = TargetDrafter(runtime_target(Transformer.from_hf_model(small), "gguf"))
+    fresh = runtime_target(Transformer.from_hf_model(small), "gguf")
+
+    def greedy(ctx, k):
+        fresh.reset()
+        return greedy_decode(fresh, ctx, k)
+
+    p = list(range(40, 70))
+    first = drafter.draft(p, 6)
+    assert first == greedy(p, 6)
+    longer = p + first[:3]
+    assert drafter.draft(longer, 5) == greedy(longer, 5)  # extends its cache: only the new tokens are read
+    assert drafter.model.cached_len == len(longer) + 4
+    other = p[:-4] + [13, 42]
+    assert drafter.draft(other, 4) == greedy(other, 4)  # parts from it: cut back to the shared prefix
+    assert drafter.draft(other, 4) == greedy(other, 4)  # the very same request again
+    with pytest.raises(ValueError, match="k >= 1"):
+        drafter.draft(p, 0)
+    target = runtime_target(Transformer.from_hf_model(big), "gguf")
+    plain = greedy_decode(target, p, 40)
+    target.reset()
+    assert speculative_generate(target, p, 40, drafter, k=4).tokens == plain

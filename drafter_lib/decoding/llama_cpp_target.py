@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from drafter_lib.decoding.speculative import TargetDrafter
+
 INSTALL_HINT = "llama.cpp targets need llama-cpp-python: pip install '.[llama-cpp]' (builds from source)"
 
 
@@ -113,36 +115,12 @@ class LlamaCppTarget:
         self.cached_len = n
 
 
-class LlamaCppDrafter:
+class LlamaCppDrafter(TargetDrafter):
     """A GGUF draft model in llama.cpp (e.g. the target family's small sibling, as llama.cpp users pair them) behind
-    the `Drafter` protocol: greedy drafts, its KV memory kept across calls and cut back to the longest prefix a new
-    request shares with the tokens it holds."""
+    the `Drafter` protocol (`TargetDrafter`: greedy drafts, its KV memory kept across calls)."""
 
     def __init__(self, model_path: str | os.PathLike, n_ctx: int = 4096, n_threads: int | None = None):
-        self.model = LlamaCppTarget(model_path, n_ctx=n_ctx, n_threads=n_threads)
-        self.tokens: list[int] = []  # what the KV memory holds, in order
+        super().__init__(LlamaCppTarget(model_path, n_ctx=n_ctx, n_threads=n_threads))
 
     def close(self) -> None:
         self.model.close()
-
-    @torch.inference_mode()
-    def draft(self, tokens: list[int], k: int) -> list[int]:
-        if not tokens or k < 1:
-            raise ValueError("a draft needs a non-empty context and k >= 1")
-        same = 0
-        for a, b in zip(self.tokens, tokens):
-            if a != b:
-                break
-            same += 1
-        same = min(same, len(tokens) - 1)  # the last token is always run again: its logits give the first draft
-        self.model.rollback(same)
-        del self.tokens[same:]
-        logits = self.model.score(tokens[same:], keep=1)
-        self.tokens += tokens[same:]
-        out = []
-        for i in range(k):
-            out.append(int(logits[-1].argmax()))
-            if i + 1 < k:
-                logits = self.model.score(out[-1:], keep=1)
-                self.tokens.append(out[-1])
-        return out

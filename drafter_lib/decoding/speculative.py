@@ -86,6 +86,38 @@ class FnDrafter:
         return [self.draft(c, k) for c in contexts]
 
 
+class TargetDrafter:
+    """A model behind the `Target` protocol (e.g. the target family's small sibling in this project's runtime, or in
+    llama.cpp) as a greedy drafter: its KV cache kept across calls and cut back to the longest prefix a new request
+    shares with the tokens it holds, so a step's draft reads only the tokens accepted since the last one."""
+
+    def __init__(self, model: Target):
+        self.model = model
+        self.tokens: list[int] = []  # what its cache holds, in order
+
+    @torch.inference_mode()
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        if not tokens or k < 1:
+            raise ValueError("a draft needs a non-empty context and k >= 1")
+        same = 0
+        for a, b in zip(self.tokens, tokens):
+            if a != b:
+                break
+            same += 1
+        same = min(same, len(tokens) - 1)  # the last token is always run again: its logits give the first draft
+        self.model.rollback(same)
+        del self.tokens[same:]
+        logits = self.model.score(tokens[same:], keep=1)
+        self.tokens += tokens[same:]
+        out = []
+        for i in range(k):
+            out.append(int(logits[-1].argmax()))
+            if i + 1 < k:
+                logits = self.model.score(out[-1:], keep=1)
+                self.tokens.append(out[-1])
+        return out
+
+
 # ---------------------------------------------------------------------------------------------------- targets
 
 

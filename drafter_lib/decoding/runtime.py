@@ -16,10 +16,12 @@ folder, a pinned hub id) and returns a `TargetRuntime`. `numerics` picks how its
 The guarantee. With the integer numerics a row's logits never depend on the other rows of its pass: its integers
 depend on the row alone, integer sums are exact, each (row, output)'s floats are added in one fixed order, and the
 decoder's row-exact attention (`Transformer.row_exact`) gives each query row the same keys and one fixed arithmetic
-per head (`model/row_attention.py`) alone or in a pass. So a verify pass (a chain or a tree) gives every row the
-bits of a one-token step, and speculative decoding equals this runtime's own plain greedy decoding bit for bit
-(tests/test_w8a8.py, tests/test_block_rows.py). "fp32" keeps the row-exact attention but not the promise: torch's
-float products may sum a row differently with other rows beside it.
+per head (`model/row_attention.py`) alone or in a pass; with "gguf", a chain pass runs its layers in one C++ call
+of the same operations (`row_step.py`: the Python layers' bits, checked at conversion). So a verify pass (a chain or
+a tree) gives every row the bits of a one-token step, and speculative decoding equals this runtime's own plain
+greedy decoding bit for bit (tests/test_w8a8.py, tests/test_block_rows.py, tests/test_row_step.py). "fp32" keeps
+the row-exact attention but not the promise: torch's float products may sum a row differently with other rows
+beside it.
 """
 from __future__ import annotations
 
